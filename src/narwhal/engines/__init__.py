@@ -1,0 +1,1 @@
+"""Talking to engines: the pooled client and the prefill result it hands to decode."""

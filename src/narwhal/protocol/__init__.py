@@ -1,0 +1,1 @@
+"""Pure wire-protocol pieces: SSE decoding, descriptor rules, request bodies, errors."""

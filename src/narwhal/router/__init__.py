@@ -1,0 +1,1 @@
+"""The HTTP router: admission, placement, the request path, relay and outcome."""

@@ -1,0 +1,1 @@
+"""A vLLM-compatible engine simulator with a real KV handoff over a side channel."""
