@@ -1,0 +1,135 @@
+"""Errors as values: every failure gets its cause, HTTP status and retry class where it is raised.
+
+Whoever catches a `NarwhalError` reads these fields; nobody re-guesses them from a message.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+
+class Cause(StrEnum):
+    """Why a request or one of its legs failed; bounded, so usable as a metrics label."""
+
+    # The client's own fault, found by the router or reported by an engine.
+    BAD_REQUEST = "bad_request"
+    # Router admission.
+    UNAVAILABLE = "unavailable"
+    DEADLINE = "deadline"
+    # Engine faults.
+    CONNECT = "connect"
+    HTTP_STATUS = "http_status"
+    PREFILL_TIMEOUT = "prefill_timeout"
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    SILENCE = "silence"
+    CLOSED_EARLY = "closed_early"
+    DONE_BEFORE_TOKEN = "done_before_token"
+    ERROR_OBJECT = "error_object"
+    BAD_RESPONSE = "bad_response"
+    DESCRIPTOR = "descriptor"
+    HANDOFF_EXPIRED = "handoff_expired"
+
+
+# Engine statuses that say "try elsewhere or later", as opposed to "this request is wrong".
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Engine 4xx answers that are the client's own fault: relayed with the engine's message.
+CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    413: "BadRequestError",
+    422: "BadRequestError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style `type` for an HTTP status."""
+    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
+class NarwhalError(Exception):
+    """A failure the router answers with `status` and an OpenAI-shaped error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        cause: Cause,
+        *,
+        transient: bool = False,
+        engine: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.cause = cause
+        self.transient = transient
+        self.engine = engine
+
+    @property
+    def is_engine_fault(self) -> bool:
+        """True when an engine misbehaved (counts against it), false for client or admission."""
+        return self.engine is not None and self.cause is not Cause.BAD_REQUEST
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": error_type(self.status),
+                "param": None,
+                "code": self.status,
+            }
+        }
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+    def sse_event(self) -> bytes:
+        """The terminal event sent once a 200 stream has been committed."""
+        return b"data: " + self.json() + b"\n\ndata: [DONE]\n\n"
+
+    def __repr__(self) -> str:
+        return f"NarwhalError({self.status}, {self.message!r}, {self.cause})"
+
+
+def client_error(status: int, message: str) -> NarwhalError:
+    """The client's own fault (never retried, never counted against an engine)."""
+    return NarwhalError(status, message, Cause.BAD_REQUEST)
+
+
+def engine_error(
+    cause: Cause, message: str, engine: str, *, status: int | None = None
+) -> NarwhalError:
+    """An engine fault; its router status and retry class follow from the cause, once, here."""
+    if cause in (
+        Cause.PREFILL_TIMEOUT,
+        Cause.FIRST_TOKEN_TIMEOUT,
+        Cause.SILENCE,
+        Cause.HANDOFF_EXPIRED,
+    ):
+        return NarwhalError(504, message, cause, transient=True, engine=engine)
+    if cause is Cause.HTTP_STATUS or cause is Cause.ERROR_OBJECT:
+        upstream = status if status is not None else 500
+        if upstream in CLIENT_FAULT_STATUSES:
+            return NarwhalError(upstream, message, Cause.BAD_REQUEST, engine=engine)
+        transient = upstream in TRANSIENT_STATUSES
+        if cause is Cause.ERROR_OBJECT:
+            # An error object in a 200 stream keeps its own status.
+            return NarwhalError(upstream, message, cause, transient=transient, engine=engine)
+        routed = 504 if upstream in (408, 504) else 502
+        return NarwhalError(routed, message, cause, transient=transient, engine=engine)
+    # Connect failures, early closes, [DONE] before output, unreadable answers and rejected
+    # descriptors: a fresh attempt on other engines may well succeed.
+    return NarwhalError(502, message, cause, transient=True, engine=engine)

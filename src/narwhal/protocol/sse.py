@@ -1,0 +1,220 @@
+"""Server-sent events, sans I/O: bytes in, complete events out, and what each event means.
+
+The decoder keeps each event's raw bytes so the relay can forward them untouched; the
+classifier parses JSON only when a decision needs it (before the first generated token,
+for errors, and for the usage chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import orjson
+
+DONE = b"[DONE]"
+DEFAULT_MAX_EVENT_BYTES = 1 << 20
+
+
+class SseError(ValueError):
+    """The byte stream is not a usable event stream (e.g. one event is too large)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One dispatched event: `raw` as received (terminator included), `data` its payload."""
+
+    raw: bytes
+    data: bytes
+
+
+class SseDecoder:
+    """Incremental SSE decoder accepting LF, CR and CRLF line ends, split at any byte.
+
+    Only `data:` fields matter to us; other fields and comments stay in `raw`. An event
+    with no data line dispatches nothing (as the SSE spec says).
+    """
+
+    __slots__ = ("_buf", "_max", "_skip_lf")
+
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._buf = b""
+        self._max = max_event_bytes
+        # An event ended by a CR at the very end of a chunk is dispatched at once; an LF
+        # opening the next chunk is then the rest of that CRLF, not another blank line.
+        self._skip_lf = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes held for an event not yet terminated."""
+        return len(self._buf)
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        if self._skip_lf and chunk:
+            self._skip_lf = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            events, rest = _split_general(buf)
+            if not rest and buf.endswith(b"\r"):
+                self._skip_lf = True
+        else:
+            events, rest = _split_lf(buf)
+        if len(rest) > self._max:
+            raise SseError(f"an event exceeded {self._max} bytes without ending")
+        self._buf = rest
+        return events
+
+
+def _split_lf(buf: bytes) -> tuple[list[SseEvent], bytes]:
+    """Fast path for the usual `data: ...\\n\\n` framing."""
+    events: list[SseEvent] = []
+    start = 0
+    while True:
+        end = buf.find(b"\n\n", start)
+        if end < 0:
+            return events, buf[start:]
+        block = buf[start:end]
+        if block.startswith(b"data: ") and b"\n" not in block:
+            events.append(SseEvent(buf[start : end + 2], block[6:]))
+        else:
+            data = _data_of(block.split(b"\n"))
+            if data is not None:
+                events.append(SseEvent(buf[start : end + 2], data))
+        start = end + 2
+
+
+def _split_general(buf: bytes) -> tuple[list[SseEvent], bytes]:
+    """Any mix of CR, LF and CRLF.
+
+    A trailing CR after a non-empty line waits for a possible LF; one that ends an event
+    (a blank line) dispatches it, since a following LF could only add another blank line.
+    """
+    events: list[SseEvent] = []
+    lines: list[bytes] = []
+    event_start = pos = 0
+    size = len(buf)
+    while pos < size:
+        lf = buf.find(b"\n", pos)
+        cr = buf.find(b"\r", pos, lf if lf >= 0 else size)
+        if cr >= 0:
+            if cr + 1 < size:
+                line_end, next_pos = cr, cr + 2 if buf[cr + 1] == 0x0A else cr + 1
+            elif cr == pos:
+                line_end, next_pos = cr, cr + 1
+            else:
+                break  # CR at the end of a line: maybe half of a CRLF.
+        elif lf >= 0:
+            line_end, next_pos = lf, lf + 1
+        else:
+            break
+        line = buf[pos:line_end]
+        pos = next_pos
+        if line:
+            lines.append(line)
+            continue
+        data = _data_of(lines)
+        if data is not None:
+            events.append(SseEvent(buf[event_start:pos], data))
+        lines = []
+        event_start = pos
+    return events, buf[event_start:]
+
+
+def _data_of(lines: list[bytes]) -> bytes | None:
+    parts: list[bytes] = []
+    for line in lines:
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+        elif line == b"data":
+            parts.append(b"")
+    return b"\n".join(parts) if parts else None
+
+
+class EventKind(Enum):
+    OUTPUT = "output"
+    METADATA = "metadata"
+    USAGE = "usage"
+    ERROR = "error"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    kind: EventKind
+    payload: dict[str, Any] | None = None
+
+
+_METADATA = Classified(EventKind.METADATA)
+_DONE = Classified(EventKind.DONE)
+
+
+def classify(data: bytes) -> Classified:
+    """Parse one event payload fully and say what it is.
+
+    Raises `SseError` for a payload that is neither `[DONE]` nor a JSON object.
+    """
+    if data == DONE:
+        return _DONE
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise SseError(f"stream event is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise SseError("stream event is not a JSON object")
+    if "error" in payload or payload.get("object") == "error":
+        return Classified(EventKind.ERROR, payload)
+    choices = payload.get("choices")
+    if not isinstance(choices, list):
+        raise SseError("stream event has no `choices` list")
+    if not choices:
+        return Classified(EventKind.USAGE, payload) if "usage" in payload else _METADATA
+    if has_output(choices[0]):
+        return Classified(EventKind.OUTPUT, payload)
+    return Classified(EventKind.METADATA, payload)
+
+
+def classify_after_first_output(data: bytes) -> Classified | None:
+    """Cheap check once output has started: None means "forward it, nothing to decide".
+
+    Only `[DONE]`, error objects and usage chunks need a decision, and each is recognised
+    by a byte scan before anything is parsed. In JSON text a generated `"error"` is always
+    escaped, so the scan cannot mistake model output for an error. Other events only get a
+    framing check (a JSON object's braces), so garbage is never relayed as a token.
+    """
+    if data == DONE:
+        return _DONE
+    if b'"error"' in data or b'"usage"' in data:
+        return classify(data)
+    if not (data.startswith(b"{") and data.endswith(b"}")):
+        raise SseError("stream event is not a JSON object")
+    return None
+
+
+def has_output(choice: object) -> bool:
+    """Output is non-empty `text`, `delta.content`, `delta.reasoning_content` or `tool_calls`."""
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+def error_status(payload: dict[str, Any]) -> tuple[int, str]:
+    """The HTTP status and message of an error object (newer and older vLLM shapes)."""
+    inner = payload.get("error")
+    source = inner if isinstance(inner, dict) else payload
+    code = source.get("code")
+    status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+    if not 400 <= status <= 599:
+        status = 500
+    message = source.get("message")
+    if not isinstance(message, str):
+        message = inner if isinstance(inner, str) else "engine reported an error"
+    return status, message

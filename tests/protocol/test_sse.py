@@ -1,0 +1,151 @@
+"""SSE decoding and event classification, exhaustively over framings and split points."""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.protocol.sse import (
+    EventKind,
+    SseDecoder,
+    SseError,
+    classify,
+    classify_after_first_output,
+    error_status,
+    has_output,
+)
+
+PAYLOADS = [b'{"choices":[{"text":" a"}]}', b'{"choices":[{"text":" b"}]}', b"[DONE]"]
+
+
+def frame(payloads: list[bytes], newline: bytes) -> bytes:
+    return b"".join(b"data: " + p + newline + newline for p in payloads)
+
+
+def decode_all(chunks: list[bytes]) -> list[bytes]:
+    decoder = SseDecoder()
+    out: list[bytes] = []
+    for chunk in chunks:
+        out.extend(event.data for event in decoder.feed(chunk))
+    return out
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_every_split_point_yields_the_same_events(newline: bytes) -> None:
+    stream = frame(PAYLOADS, newline)
+    for i in range(len(stream) + 1):
+        for j in range(i, len(stream) + 1):
+            assert decode_all([stream[:i], stream[i:j], stream[j:]]) == PAYLOADS
+
+
+@given(
+    payloads=st.lists(
+        st.binary(min_size=1, max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b),
+        max_size=8,
+    ),
+    newline=st.sampled_from([b"\n", b"\r\n", b"\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),
+)
+def test_any_framing_and_chunking_round_trips(
+    payloads: list[bytes], newline: bytes, cuts: list[int]
+) -> None:
+    stream = frame(payloads, newline)
+    bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    chunks = [stream[a:b] for a, b in itertools.pairwise(bounds)]
+    assert decode_all(chunks) == payloads
+
+
+def test_raw_bytes_are_kept_for_forwarding() -> None:
+    stream = b"data: {}\r\n\r\n: comment\nid: 7\ndata: x\n\n"
+    events = SseDecoder().feed(stream)
+    assert [e.raw for e in events] == [b"data: {}\r\n\r\n", b": comment\nid: 7\ndata: x\n\n"]
+    assert b"".join(e.raw for e in events) == stream
+
+
+def test_multi_line_data_is_joined_with_newlines() -> None:
+    assert decode_all([b"data: a\ndata:b\ndata\n\n"]) == [b"a\nb\n"]
+
+
+def test_events_without_data_dispatch_nothing() -> None:
+    assert decode_all([b": keep-alive\n\n\n\nevent: x\n\n"]) == []
+
+
+def test_a_cr_ending_a_line_waits_for_a_possible_lf() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"data: a\r") == []
+    assert [e.data for e in decoder.feed(b"\ndata: b\n\n")] == [b"a\nb"]
+
+
+def test_a_cr_ending_an_event_dispatches_it_and_absorbs_the_lf_after() -> None:
+    decoder = SseDecoder()
+    assert [e.data for e in decoder.feed(b"data: a\r\n\r")] == [b"a"]
+    assert [e.data for e in decoder.feed(b"\ndata: b\r\n\r\n")] == [b"b"]
+
+
+def test_an_event_that_never_ends_is_refused_past_the_limit() -> None:
+    decoder = SseDecoder(max_event_bytes=64)
+    decoder.feed(b"data: " + b"x" * 50)
+    with pytest.raises(SseError, match="exceeded 64 bytes"):
+        decoder.feed(b"x" * 50)
+
+
+def test_done_is_its_own_kind() -> None:
+    assert classify(b"[DONE]").kind is EventKind.DONE
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        ({"choices": [{"index": 0, "text": " hi", "finish_reason": None}]}, EventKind.OUTPUT),
+        ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, EventKind.METADATA),
+        ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, EventKind.METADATA),
+        ({"choices": [{"delta": {"content": "x"}}]}, EventKind.OUTPUT),
+        ({"choices": [{"delta": {"reasoning_content": "think"}}]}, EventKind.OUTPUT),
+        ({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}, EventKind.OUTPUT),
+        ({"choices": [{"delta": {}}]}, EventKind.METADATA),
+        ({"choices": [], "usage": {"completion_tokens": 3}}, EventKind.USAGE),
+        ({"choices": []}, EventKind.METADATA),
+        ({"error": {"message": "boom", "code": 500}}, EventKind.ERROR),
+        ({"object": "error", "message": "old", "code": 503}, EventKind.ERROR),
+    ],
+)
+def test_classification_of_contract_chunks(payload: dict[str, object], kind: EventKind) -> None:
+    assert classify(orjson.dumps(payload)).kind is kind
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"id": "x"}', b'{"choices": 3}'])
+def test_events_that_are_not_chunks_are_refused(data: bytes) -> None:
+    with pytest.raises(SseError):
+        classify(data)
+
+
+def test_after_output_only_decisions_are_parsed() -> None:
+    assert classify_after_first_output(b'{"choices":[{"text":" x"}]}') is None
+    error = classify_after_first_output(b'{"error": {"message": "m", "code": 503}}')
+    assert error is not None and error.kind is EventKind.ERROR
+    usage = classify_after_first_output(b'{"choices":[],"usage":{"completion_tokens":2}}')
+    assert usage is not None and usage.kind is EventKind.USAGE
+    with pytest.raises(SseError):
+        classify_after_first_output(b"garbage")
+
+
+def test_generated_text_mentioning_error_is_not_an_error_object() -> None:
+    data = orjson.dumps({"choices": [{"text": 'the "error" word'}]})
+    assert classify_after_first_output(data) is None
+
+
+def test_error_status_reads_both_shapes() -> None:
+    assert error_status({"error": {"message": "m", "code": 503}}) == (503, "m")
+    assert error_status({"object": "error", "message": "old", "code": 400}) == (400, "old")
+    assert error_status({"error": {"message": "m", "code": "x"}}) == (500, "m")
+    assert error_status({"error": {"message": "m", "code": 99}}) == (500, "m")
+    assert error_status({"error": "plain"}) == (500, "plain")
+
+
+def test_has_output_ignores_non_objects() -> None:
+    assert not has_output("text")
+    assert not has_output({"delta": "x"})
