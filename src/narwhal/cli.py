@@ -4,19 +4,52 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    from narwhal.sim.options import add_sim_arguments
+
     parser = argparse.ArgumentParser(prog="narwhal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from narwhal.sim.options import add_sim_arguments
+    serve = sub.add_parser("serve", help="run the router over the fleet in a config file")
+    serve.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
+    serve.add_argument("--host", help="override server.host")
+    serve.add_argument("--port", type=int, help="override server.port")
+
+    dev = sub.add_parser("dev", help="run a local simulated fleet plus the router")
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=int, default=8000)
+    dev.add_argument("--journal", help="append the request journal to this file")
+
+    config = sub.add_parser("config", help="work with fleet configuration files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    validate = config_sub.add_parser("validate", help="check a config file and report problems")
+    validate.add_argument("file", type=Path)
 
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    from narwhal import runtime
+
     if args.command == "sim":
         from narwhal.sim.serve import run_sim
 
         sys.exit(run_sim(args))
+    if args.command == "config":
+        from narwhal.config import validate_command
+
+        sys.exit(validate_command(args.file))
+    if args.command == "dev":
+        from narwhal.dev import run_dev
+
+        sys.exit(runtime.run(run_dev(args.host, args.port, args.journal)))
+    if args.command == "serve":
+        from narwhal.router.serve import run_serve
+
+        sys.exit(runtime.run(run_serve(args.config, args.host, args.port)))

@@ -1,0 +1,525 @@
+"""The engine client: both legs of a handoff over one pooled, keep-alive HTTP session.
+
+`prefill()` runs leg 1 and captures the descriptor; `open_decode()` runs leg 2 up to the
+first generated token (so the first-token deadline covers connect, headers and the KV
+pull) and returns a `DecodeStream` that relays raw event bytes from then on. Every
+failure is raised as a `NarwhalError` whose cause and status are decided here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+import orjson
+
+from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
+from narwhal.protocol.bodies import decode_body, prefill_body
+from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from narwhal.protocol.jsonspan import first_element_span, member_spans
+from narwhal.protocol.sse import (
+    EventKind,
+    SseDecoder,
+    SseError,
+    SseEvent,
+    classify,
+    classify_after_first_output,
+    error_status,
+)
+
+# vLLM closes idle keep-alive connections after 5 s; drop ours a little before that.
+KEEPALIVE_S = 4.0
+MAX_PREFILL_ANSWER_BYTES = 8 << 20
+MAX_ERROR_BODY_BYTES = 64 << 10
+# Pre-output metadata events kept for the client; more than this carry nothing new.
+MAX_HELD_EVENTS = 64
+
+
+class DescriptorRejected(NarwhalError):
+    """A descriptor that failed validation; `defect` says which rule it broke."""
+
+    def __init__(self, defect: Defect, engine: str) -> None:
+        error = engine_error(
+            Cause.DESCRIPTOR,
+            f"engine {engine} sent a bad handoff descriptor: {DEFECT_MESSAGES[defect]}",
+            engine,
+        )
+        super().__init__(
+            error.status, error.message, error.cause, transient=error.transient, engine=engine
+        )
+        self.defect = defect
+
+
+def new_request_id() -> str:
+    """A fresh backend request id: one per attempt, shared by both of its legs."""
+    return uuid.uuid4().hex
+
+
+class EngineClient:
+    """Owns the connection pool to every engine; use as an async context manager."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        prefill_timeout_s: float = 120.0,
+        first_token_timeout_s: float = 2.5,
+        decode_read_timeout_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.decode_read_timeout_s = decode_read_timeout_s
+        self._headers = {"Content-Type": "application/json", **(headers or {})}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
+        return self._session
+
+    def _post(self, url: str, data: bytes, request_id: str) -> Any:
+        headers = {**self._headers, "X-Request-Id": request_id}
+        return self.session.post(url, data=data, headers=headers)
+
+    # Leg 1 ---------------------------------------------------------------------------
+
+    async def prefill(
+        self,
+        producer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        same_worker: bool = False,
+        request_id: str | None = None,
+        engine: str | None = None,
+    ) -> PrefillResult:
+        """Run the one-token prefill and capture the producer's descriptor.
+
+        With `same_worker`, no blocks are requested: the decode that follows on the same
+        engine finds the prompt in its prefix cache.
+        """
+        name = engine or producer_url
+        request_id = request_id or new_request_id()
+        started_at = asyncio.get_running_loop().time()
+        data = prefill_body(body, crossed=not same_worker)
+        try:
+            async with asyncio.timeout(self.prefill_timeout_s):
+                async with self._post(producer_url + endpoint, data, request_id) as response:
+                    if response.status != 200:
+                        raise await _status_error(response, name, "prefill")
+                    raw = await _read_bounded(response, MAX_PREFILL_ANSWER_BYTES, name)
+        except aiohttp.ClientError as exc:
+            # Before TimeoutError: aiohttp's connect timeout is both.
+            raise _transport_error(exc, name, "prefill") from None
+        except TimeoutError:
+            raise engine_error(
+                Cause.PREFILL_TIMEOUT,
+                f"prefill on engine {name} did not answer within {self.prefill_timeout_s:g} s",
+                name,
+            ) from None
+        descriptor, prompt_tokens = _parse_prefill_answer(raw, name)
+        return PrefillResult(
+            producer_url=producer_url,
+            endpoint=endpoint,
+            request_id=request_id,
+            descriptor=None if same_worker else descriptor,
+            started_at=started_at,
+            prompt_tokens=prompt_tokens,
+            same_worker=same_worker,
+        )
+
+    # Leg 2 ---------------------------------------------------------------------------
+
+    async def open_decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        *,
+        engine: str | None = None,
+        connector: str = NIXL_CONNECTOR,
+        drop_usage: bool = False,
+    ) -> DecodeStream:
+        """Validate the handoff, send the decode and wait for its first generated token.
+
+        The first-token budget starts before the request is sent, so connect and header
+        delays spend it too. On return the stream has output; nothing has been relayed.
+        """
+        name = engine or consumer_url
+        descriptor = self._checked_descriptor(consumer_url, endpoint, result, connector)
+        data = decode_body(body, descriptor)
+        response: aiohttp.ClientResponse | None = None
+        decoder = SseDecoder()
+        held: list[SseEvent] = []
+        try:
+            async with asyncio.timeout(self.first_token_timeout_s):
+                response = await self._post(consumer_url + endpoint, data, result.request_id)
+                if response.status != 200:
+                    raise await _status_error(response, name, "decode")
+                while True:
+                    chunk = await response.content.readany()
+                    if not chunk:
+                        raise engine_error(
+                            Cause.CLOSED_EARLY,
+                            f"decode stream from engine {name} closed before any token",
+                            name,
+                        )
+                    try:
+                        events = decoder.feed(chunk)
+                    except SseError as exc:
+                        raise _bad_stream(exc, name) from None
+                    for index, event in enumerate(events):
+                        kind = _classify_pre_output(event, name)
+                        if kind is EventKind.OUTPUT:
+                            held.append(event)
+                            return DecodeStream(
+                                response,
+                                name,
+                                self.decode_read_timeout_s,
+                                decoder,
+                                first=held,
+                                backlog=events[index + 1 :],
+                                drop_usage=drop_usage,
+                            )
+                        if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
+                            held.append(event)
+        except aiohttp.ClientError as exc:
+            _close(response)
+            if response is None:
+                raise _transport_error(exc, name, "decode") from None
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {name} broke before any token: {exc}",
+                name,
+            ) from None
+        except TimeoutError:
+            _close(response)
+            raise engine_error(
+                Cause.FIRST_TOKEN_TIMEOUT,
+                f"engine {name} produced no token within the first-token timeout "
+                f"({self.first_token_timeout_s:g} s)",
+                name,
+            ) from None
+        except BaseException:
+            _close(response)
+            raise
+
+    def _checked_descriptor(
+        self, consumer_url: str, endpoint: str, result: PrefillResult, connector: str
+    ) -> bytes | None:
+        """The descriptor to send, after every rule; None means a plain (recomputing) decode."""
+        if result.descriptor is None or consumer_url == result.producer_url:
+            # Never point a descriptor at its own engine: the prefix cache serves it.
+            return None
+        name = result.producer_url
+        defect = check_descriptor(result.parameters()) or check_handoff(
+            prefill_connector=result.connector,
+            decode_connector=connector,
+            prefill_endpoint=result.endpoint,
+            decode_endpoint=endpoint,
+        )
+        if defect is not None:
+            raise DescriptorRejected(defect, name)
+        return result.descriptor
+
+    async def decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The decode stream's events as dicts (generated output, metadata and usage)."""
+        stream = await self.open_decode(consumer_url, endpoint, body, result)
+        async with stream:
+            async for events in stream:
+                for event in events:
+                    payload = classify(event.data).payload
+                    if payload is not None:
+                        yield payload
+
+
+class DecodeStream:
+    """An open decode leg past its first token: raw events out, failures raised.
+
+    Iterating yields, per transport read, the events to forward (never `[DONE]` or an
+    error object). Silence between reads longer than `read_timeout_s` (0 = unbounded)
+    ends the stream with a 504; the watchdog costs one clock read per chunk.
+    """
+
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        engine: str,
+        read_timeout_s: float,
+        decoder: SseDecoder,
+        *,
+        first: list[SseEvent],
+        backlog: list[SseEvent],
+        drop_usage: bool,
+    ) -> None:
+        self.engine = engine
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+        self._response = response
+        self._decoder = decoder
+        self._first: list[SseEvent] | None = first
+        self._backlog = backlog
+        self._drop_usage = drop_usage
+        self._watchdog = (
+            _Watchdog(asyncio.get_running_loop(), read_timeout_s, response.close)
+            if read_timeout_s
+            else None
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection to the pool after [DONE]; otherwise close it (aborts)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.done and self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> list[SseEvent]:
+        if self._first is not None:
+            events, self._first = self._first, None
+            return events
+        if self._backlog:
+            events, self._backlog = self._decide(self._backlog), []
+            if events:
+                return events
+        while not self.done:
+            chunk = await self._read()
+            if self._watchdog is not None:
+                self._watchdog.last = self._watchdog.loop.time()
+            try:
+                events = self._decide(self._decoder.feed(chunk))
+            except SseError as exc:
+                raise _bad_stream(exc, self.engine) from None
+            if events:
+                return events
+        raise StopAsyncIteration
+
+    async def _read(self) -> bytes:
+        try:
+            chunk = await self._response.content.readany()
+        except aiohttp.ClientError as exc:
+            self._raise_if_silent()
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {self.engine} broke: {exc}",
+                self.engine,
+            ) from None
+        if not chunk:
+            self._raise_if_silent()
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {self.engine} closed before [DONE]",
+                self.engine,
+            )
+        return chunk
+
+    def _raise_if_silent(self) -> None:
+        if self._watchdog is not None and self._watchdog.fired:
+            raise engine_error(
+                Cause.SILENCE,
+                f"engine went silent between tokens: engine {self.engine} sent nothing for "
+                f"{self._watchdog.timeout:g} s",
+                self.engine,
+            )
+
+    def _decide(self, events: list[SseEvent]) -> list[SseEvent]:
+        forward: list[SseEvent] = []
+        for event in events:
+            try:
+                decision = classify_after_first_output(event.data)
+            except SseError as exc:
+                raise _bad_stream(exc, self.engine) from None
+            if decision is None or decision.kind is EventKind.OUTPUT:
+                forward.append(event)
+            elif decision.kind is EventKind.DONE:
+                self.done = True
+                break
+            elif decision.kind is EventKind.ERROR:
+                raise _error_object(decision.payload or {}, self.engine)
+            elif decision.kind is EventKind.USAGE:
+                self.usage = _usage_of(decision.payload)
+                if not self._drop_usage:
+                    forward.append(event)
+            else:
+                forward.append(event)
+        return forward
+
+
+class _Watchdog:
+    """Fires `on_silence` once no chunk has arrived for `timeout` seconds.
+
+    The reader only stamps `last`; the timer re-arms itself lazily, so a busy stream
+    costs no timer churn per chunk.
+    """
+
+    __slots__ = ("_handle", "_on_silence", "fired", "last", "loop", "timeout")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, timeout: float, on_silence: Callable[[], None]
+    ) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self.last = loop.time()
+        self.fired = False
+        self._on_silence = on_silence
+        self._handle = loop.call_at(self.last + timeout, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.timeout
+        if self.loop.time() >= due:
+            self.fired = True
+            self._on_silence()
+        else:
+            self._handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _classify_pre_output(event: SseEvent, engine: str) -> EventKind:
+    try:
+        decision = classify(event.data)
+    except SseError as exc:
+        raise _bad_stream(exc, engine) from None
+    if decision.kind is EventKind.DONE:
+        raise engine_error(
+            Cause.DONE_BEFORE_TOKEN, "stream ended with [DONE] before any token arrived", engine
+        )
+    if decision.kind is EventKind.ERROR:
+        raise _error_object(decision.payload or {}, engine)
+    return decision.kind
+
+
+def _bad_stream(exc: SseError, engine: str) -> NarwhalError:
+    return engine_error(
+        Cause.BAD_RESPONSE, f"engine {engine} sent a malformed stream: {exc}", engine
+    )
+
+
+def _error_object(payload: dict[str, Any], engine: str) -> NarwhalError:
+    status, message = error_status(payload)
+    return engine_error(
+        Cause.ERROR_OBJECT, f"engine {engine} reported an error: {message}", engine, status=status
+    )
+
+
+def _usage_of(payload: dict[str, Any] | None) -> dict[str, Any] | None:
+    usage = (payload or {}).get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def _close(response: aiohttp.ClientResponse | None) -> None:
+    if response is not None:
+        response.close()
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int, engine: str) -> bytes:
+    raw = await response.content.read(limit + 1)
+    if len(raw) > limit:
+        raise engine_error(
+            Cause.BAD_RESPONSE, f"engine {engine} answered more than {limit} bytes", engine
+        )
+    return raw
+
+
+async def _status_error(response: aiohttp.ClientResponse, engine: str, leg: str) -> NarwhalError:
+    """A non-200 answer: the engine's own message, with the status's meaning decided once."""
+    try:
+        raw = await response.content.read(MAX_ERROR_BODY_BYTES)
+        payload = orjson.loads(raw)
+        _, message = error_status(payload) if isinstance(payload, dict) else (0, "")
+    except (aiohttp.ClientError, orjson.JSONDecodeError):
+        message = ""
+    status = response.status
+    if not message:
+        message = response.reason or "no error message"
+    if 400 <= status < 500 and status in (400, 413, 422):
+        text = message
+    else:
+        text = f"{leg} on engine {engine} failed with HTTP {status}: {message}"
+    return engine_error(Cause.HTTP_STATUS, text, engine, status=status)
+
+
+def _transport_error(exc: aiohttp.ClientError, engine: str, leg: str) -> NarwhalError:
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return engine_error(
+            Cause.CONNECT, f"could not connect to engine {engine} for {leg}: {exc}", engine
+        )
+    return engine_error(
+        Cause.CONNECT, f"connection to engine {engine} failed during {leg}: {exc}", engine
+    )
+
+
+def _parse_prefill_answer(raw: bytes, engine: str) -> tuple[bytes | None, int | None]:
+    """The raw descriptor (None if null or absent) and the prompt's token count."""
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        raise engine_error(
+            Cause.BAD_RESPONSE,
+            f"engine {engine} sent a prefill answer that is not a completion",
+            engine,
+        )
+    usage = answer.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    tokens = prompt_tokens if type(prompt_tokens) is int else None
+    spans = member_spans(raw)
+    span = spans.get("kv_transfer_params")
+    if span is None and answer["choices"]:
+        # Some versions put it inside the first choice.
+        first = first_element_span(raw, spans["choices"][0])
+        if first is not None and isinstance(answer["choices"][0], dict):
+            span = member_spans(raw, first[0]).get("kv_transfer_params")
+    if span is None:
+        return None, tokens
+    descriptor = raw[span[0] : span[1]]
+    return (None if descriptor == b"null" else descriptor), tokens

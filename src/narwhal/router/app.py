@@ -1,0 +1,121 @@
+"""The router's HTTP surface: routes, JSON error shapes, and running the server."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from narwhal.config import Config
+from narwhal.protocol.bodies import Endpoint
+from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.pipeline import Router
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404/405 answers, re-shaped as OpenAI errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = NarwhalError(exc.status, exc.reason, Cause.BAD_REQUEST)
+        return web.Response(status=exc.status, body=error.json(), content_type="application/json")
+
+
+def build_app(router: Router) -> web.Application:
+    config = router.config
+    app = web.Application(
+        client_max_size=config.serving.max_request_bytes, middlewares=[openai_errors]
+    )
+    created = int(time.time())
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await router.handle(request, Endpoint.COMPLETIONS)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await router.handle(request, Endpoint.CHAT)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": config.model,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "narwhal",
+                    }
+                ],
+            }
+        )
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        if router.fleet.can_serve():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
+
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.stop()
+
+    app.router.add_post(Endpoint.COMPLETIONS.value, completions)
+    app.router.add_post(Endpoint.CHAT.value, chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(lifespan)
+    return app
+
+
+class RouterServer:
+    """A running router bound to a socket; `port` is the real one when 0 was asked."""
+
+    def __init__(self, config: Config, host: str | None = None, port: int | None = None) -> None:
+        self.router = Router(config)
+        self.host = host if host is not None else config.server.host
+        self.port = port if port is not None else config.server.port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(
+            build_app(self.router), handler_cancellation=True, access_log=None
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        await site.start()
+        if self.port == 0:
+            self.port = _bound_port(site)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    server = site._server
+    if not isinstance(server, asyncio.Server):
+        raise RuntimeError("the router's listening socket is not open")
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
+async def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,273 @@
+"""The request path, top to bottom: admission → placement → prefill → validate → decode →
+relay → outcome.
+
+`Router.handle` owns one client request: its deadline, its seats and its engine
+connections end with it on every path, and it records exactly one outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.config import Config
+from narwhal.engines.client import DecodeStream, EngineClient, new_request_id
+from narwhal.protocol.bodies import Endpoint, parse_client_request
+from narwhal.protocol.errors import Cause, NarwhalError, client_error
+from narwhal.protocol.sse import classify
+from narwhal.router.assemble import Assembler
+from narwhal.router.fleet import Fleet
+from narwhal.router.journal import Journal
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+DONE_EVENT = b"data: [DONE]\n\n"
+CLIENT_CLOSED = 499
+
+
+@dataclass(slots=True)
+class Call:
+    """What happened to one client request; journaled once, when it ends."""
+
+    request_id: str
+    client_request_id: str | None
+    endpoint: Endpoint
+    arrival: float
+    deadline: float
+    stream: bool = False
+    producer: str | None = None
+    consumer: str | None = None
+    handoff: str | None = None
+    attempts: int = 0
+    backend_request_ids: list[str] = field(default_factory=list)
+    ttft_s: float | None = None
+    first_byte_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    status: int = 0
+    error: str | None = None
+    cause: str | None = None
+    committed: web.StreamResponse | None = None
+
+    def fail(self, error: NarwhalError) -> None:
+        self.status, self.error, self.cause = error.status, error.message, error.cause.value
+
+    def entry(self, now: float) -> dict[str, Any]:
+        return {
+            "type": "request",
+            "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
+            "endpoint": self.endpoint.value,
+            "stream": self.stream,
+            "producer": self.producer,
+            "consumer": self.consumer,
+            "crossed": None if self.handoff is None else self.handoff != "same_worker",
+            "handoff": self.handoff,
+            "attempts": self.attempts,
+            "backend_request_ids": self.backend_request_ids,
+            "ttft_s": self.ttft_s,
+            "first_byte_s": self.first_byte_s,
+            "duration_s": now - self.arrival,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "status": self.status,
+            "outcome": outcome_of(self.status),
+            "cause": self.cause,
+            "error": self.error,
+        }
+
+
+def outcome_of(status: int) -> str:
+    """One bounded word per terminal status, for the journal and metrics."""
+    if status == 200:
+        return "ok"
+    if status == CLIENT_CLOSED:
+        return "client_closed"
+    if status == 504:
+        return "timeout"
+    return "client_error" if status < 500 else "error"
+
+
+class Router:
+    """Everything a request needs, built once from the configuration."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fleet = Fleet(config.engines)
+        timeouts = config.engine
+        self.client = EngineClient(
+            connect_timeout_s=timeouts.connect_timeout_s,
+            prefill_timeout_s=timeouts.prefill_timeout_s,
+            first_token_timeout_s=timeouts.first_token_timeout_s,
+            decode_read_timeout_s=timeouts.decode_read_timeout_s,
+        )
+        self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
+        self.in_flight = 0
+
+    async def start(self) -> None:
+        await self.client.__aenter__()
+        self.journal.start()
+
+    async def stop(self) -> None:
+        await self.client.__aexit__(None, None, None)
+        await self.journal.close()
+
+    # The request path --------------------------------------------------------------
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        call = Call(
+            request_id=uuid.uuid4().hex,
+            client_request_id=request.headers.get("X-Request-Id"),
+            endpoint=endpoint,
+            arrival=arrival,
+            deadline=arrival + self.config.serving.request_timeout_s,
+        )
+        self.in_flight += 1
+        try:
+            try:
+                async with asyncio.timeout_at(call.deadline):
+                    return await self._serve(request, call)
+            except TimeoutError:
+                raise NarwhalError(
+                    504,
+                    "request exceeded its deadline of "
+                    f"{self.config.serving.request_timeout_s:g} s (serving.request_timeout_s)",
+                    Cause.DEADLINE,
+                ) from None
+            except ConnectionResetError:
+                call.status, call.error = CLIENT_CLOSED, "client closed the connection"
+                return call.committed or web.Response(status=CLIENT_CLOSED)
+        except NarwhalError as error:
+            call.fail(error)
+            return await _answer_error(request, call, error)
+        except asyncio.CancelledError:
+            call.status, call.error = CLIENT_CLOSED, "client closed the connection"
+            raise
+        finally:
+            self.in_flight -= 1
+            self.journal.record(call.entry(loop.time()))
+
+    async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
+        client_request = parse_client_request(
+            call.endpoint, await _read_body(request), self.config.model
+        )
+        call.stream = client_request.stream
+        reservation = self.fleet.reserve()
+        producer, consumer = reservation.producer, reservation.consumer
+        call.producer, call.consumer = producer.id, consumer.id
+        try:
+            call.attempts += 1
+            backend_id = new_request_id()
+            call.backend_request_ids.append(backend_id)
+            result = await self.client.prefill(
+                producer.url,
+                call.endpoint,
+                client_request.body,
+                same_worker=not reservation.crossed,
+                request_id=backend_id,
+                engine=producer.id,
+            )
+            reservation.release_prefill()
+            now = asyncio.get_running_loop().time()
+            call.ttft_s = now - call.arrival
+            call.prompt_tokens = result.prompt_tokens
+            if not reservation.crossed:
+                call.handoff = "same_worker"
+            else:
+                call.handoff = "crossed" if result.descriptor is not None else "recomputed"
+            stream = await self.client.open_decode(
+                consumer.url,
+                call.endpoint,
+                client_request.body,
+                result,
+                engine=consumer.id,
+                drop_usage=not client_request.include_usage,
+            )
+            call.first_byte_s = asyncio.get_running_loop().time() - call.arrival
+            async with stream:
+                if client_request.stream:
+                    return await _relay(request, call, stream)
+                return _assemble(call, await _collect(stream, call))
+        finally:
+            reservation.release()
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise client_error(
+            413,
+            f"request body exceeds {request.client_max_size} bytes (serving.max_request_bytes)",
+        ) from None
+
+
+async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.StreamResponse:
+    """Commit the 200 (output exists by now) and forward engine bytes as they come."""
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
+    await response.prepare(request)
+    call.committed = response
+    async for events in stream:
+        await response.write(events[0].raw if len(events) == 1 else b"".join(e.raw for e in events))
+    await response.write(DONE_EVENT)
+    call.output_tokens = _completion_tokens(stream.usage)
+    call.status = 200
+    await response.write_eof()
+    return response
+
+
+async def _collect(stream: DecodeStream, call: Call) -> Assembler:
+    assembler = Assembler(call.endpoint)
+    async for events in stream:
+        for event in events:
+            payload = classify(event.data).payload
+            if payload is not None:
+                assembler.add(payload)
+    if stream.usage is not None:
+        assembler.usage = stream.usage
+    return assembler
+
+
+def _assemble(call: Call, assembler: Assembler) -> web.Response:
+    call.output_tokens = _completion_tokens(assembler.usage)
+    call.status = 200
+    return web.Response(
+        body=orjson.dumps(assembler.result()),
+        content_type="application/json",
+        headers={"X-Request-Id": call.request_id},
+    )
+
+
+def _completion_tokens(usage: dict[str, Any] | None) -> int | None:
+    tokens = (usage or {}).get("completion_tokens")
+    return tokens if type(tokens) is int else None
+
+
+async def _answer_error(
+    request: web.Request, call: Call, error: NarwhalError
+) -> web.StreamResponse:
+    """An HTTP error before the 200; a terminal SSE error event after it."""
+    if call.committed is None:
+        return web.Response(
+            status=error.status,
+            body=error.json(),
+            content_type="application/json",
+            headers={"X-Request-Id": call.request_id},
+        )
+    try:
+        await call.committed.write(error.sse_event())
+        await call.committed.write_eof()
+    except ConnectionResetError:
+        pass
+    return call.committed

@@ -1,0 +1,27 @@
+"""`narwhal serve`: load and validate the fleet config, then serve until a signal."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from narwhal.config import ConfigError, load_config
+from narwhal.router.app import RouterServer, wait_for_signal
+
+
+async def run_serve(path: Path, host: str | None, port: int | None) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as error:
+        print(f"{path}: {len(error.problems)} problem(s)", file=sys.stderr)
+        for problem in error.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    server = RouterServer(config, host, port)
+    await server.start()
+    print(f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines")
+    try:
+        await wait_for_signal()
+    finally:
+        await server.stop()
+    return 0
