@@ -1,0 +1,581 @@
+"""One simulated vLLM engine: its HTTP routes, the request path, its lifecycle and its faults.
+
+The request path reads top to bottom in `_inference`: validate → pick a fault → open the
+response → take a seat → process the prompt (compute, cache hit or KV pull) → generate →
+answer (with a descriptor for a prefill). Everything a "process" owns lives in a `_Launch`,
+so a crash drops it and a restart builds a new one on the same ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
+from narwhal.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.sim.kv import (
+    HeldBlocks,
+    PrefixCache,
+    PullError,
+    SideChannel,
+    block_digests,
+    pull_blocks,
+)
+from narwhal.sim.model import Generation
+from narwhal.sim.options import SimOptions
+from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
+from narwhal.sim.responses import StreamEncoder
+from narwhal.sim.scheduler import Scheduler, Seat
+
+ZERO_INTERVAL_BATCH = 32
+"""Tokens generated per transport write when there is no inter-token interval."""
+
+METADATA_INTERVAL_S = 0.1
+"""How often a silent stream with `silence_metadata` sends a metadata chunk."""
+
+KEEPALIVE_TIMEOUT_S = 5.0
+"""vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
+
+
+@dataclass(slots=True)
+class _Launch:
+    """What one engine process owns; a crash discards it, a restart makes a new one."""
+
+    engine_id: str
+    start_time: float
+    scheduler: Scheduler
+    holds: HeldBlocks
+    prefix_cache: PrefixCache
+    faults: ArmedFaults
+
+
+class SimEngine:
+    """A vLLM-compatible engine with the NixlConnector's KV handoff, in this event loop."""
+
+    def __init__(self, options: SimOptions, *, on_crash: Callable[[], None] | None = None):
+        """`on_crash` replaces the in-process crash for the `crash` fault (a CLI exits)."""
+        self.options = options
+        self._on_crash = on_crash
+        self._launch = self._new_launch()
+        self._runner: web.AppRunner | None = None
+        self._http: asyncio.Server | None = None
+        self._side_channel = SideChannel(lambda: self._launch.engine_id, lambda: self._launch.holds)
+        self._port = options.port
+        self._side_channel_port = options.side_channel_port
+        self._reopen: asyncio.Task[None] | None = None
+        self._in_flight: set[asyncio.Task[object]] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start serving HTTP and the side channel (free ports when configured as 0)."""
+        if self._runner is None:
+            self._runner = web.AppRunner(
+                self._app(),
+                handle_signals=False,
+                access_log=None,
+                handler_cancellation=True,
+                keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+            )
+            await self._runner.setup()
+        self._launch = self._new_launch()
+        self._side_channel_port = await self._side_channel.listen(
+            self.options.side_channel_host or self.options.host, self._side_channel_port
+        )
+        await self._listen()
+
+    async def stop(self) -> None:
+        """Stop serving; open requests are cut off."""
+        self._drop_everything()
+        await self._settle()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def crash(self) -> None:
+        """Die like a killed process: cut every connection, close listeners, lose held blocks."""
+        self._drop_everything()
+        await self._settle()
+
+    async def restart(self) -> None:
+        """Come back on the same ports as a new process (new engine id and start time)."""
+        await self.crash()
+        await self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def side_channel_port(self) -> int:
+        return self._side_channel_port
+
+    @property
+    def engine_id(self) -> str:
+        return self._launch.engine_id
+
+    # -- faults and observation ------------------------------------------------------------
+
+    def set_fault(self, fault: Fault) -> None:
+        """Arm one fault, replacing any armed before (as `POST /sim/faults`)."""
+        self._launch.faults.replace([fault])
+
+    def clear_faults(self) -> None:
+        self._launch.faults.replace([])
+
+    def held_block_count(self) -> int:
+        """KV blocks currently held for remote pulls."""
+        return self._launch.holds.block_count()
+
+    def running_count(self) -> int:
+        return self._launch.scheduler.running
+
+    def waiting_count(self) -> int:
+        return self._launch.scheduler.waiting
+
+    # -- the request path ------------------------------------------------------------------
+
+    async def _inference(self, request: web.Request, route: Route) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            return await self._serve_inference(request, route)
+        finally:
+            self._in_flight.discard(task)
+
+    async def _serve_inference(self, request: web.Request, route: Route) -> web.StreamResponse:
+        launch = self._launch
+        created = int(time.time())
+        try:
+            inference = parse_request(
+                await request.read(),
+                route,
+                model=self.options.model,
+                max_model_len=self.options.max_model_len,
+            )
+            fault = self._fault_for(request, inference, launch)
+            blocks = self._blocks_needed(inference)
+        except ApiError as error:
+            return error_response(error)
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        response_id = ("chatcmpl-" if route == "chat" else "cmpl-") + request_id
+        output: Output
+        if inference.stream:
+            encoder = StreamEncoder(route, response_id, created, self.options.model)
+            output = SseOutput(request, inference, encoder)
+        else:
+            output = JsonOutput(request, inference, response_id, created, self.options.model)
+
+        if fault.crash:
+            self._crash_by_fault()
+            return output.abort()
+        if fault.refuse_s:
+            self._refuse(fault.refuse_s)
+            return output.abort()
+        if fault.hang_s:
+            await asyncio.sleep(fault.hang_s)
+        if fault.status is not None:
+            return error_response(ApiError(fault.status, f"simulated fault: HTTP {fault.status}"))
+
+        seat: Seat | None = None
+        try:
+            await output.open()
+            seat = await launch.scheduler.admit(blocks)
+            try:
+                digests = await self._process_prompt(launch, inference, fault, response_id)
+            except ApiError as error:
+                return await output.fail(error)
+            if fault.first_token_delay_s:
+                await asyncio.sleep(fault.first_token_delay_s)
+            generation = Generation(
+                inference.prompt_tokens,
+                inference.sampling,
+                max_tokens=inference.max_tokens,
+                stop=inference.stop,
+                eos_probability=self.options.eos_probability,
+            )
+            await output.begin()
+            cut_short = await self._generate(launch, generation, output, fault)
+            if cut_short is not None:
+                return cut_short
+            extra: dict[str, object] = {}
+            if inference.is_prefill and not inference.stream:
+                extra["kv_transfer_params"] = self._hold_for_pull(
+                    launch, seat, generation, digests, response_id, fault
+                )
+            return await output.finish(generation, extra)
+        except ConnectionError:
+            # The client went away mid-stream: its request is over.
+            return output.abort()
+        finally:
+            if seat is not None:
+                launch.scheduler.release(seat)
+
+    def _fault_for(
+        self, request: web.Request, inference: InferenceRequest, launch: _Launch
+    ) -> Fault:
+        """The per-request header wins over armed faults; no fault is an empty Fault."""
+        if not self.options.faults_enabled:
+            return _NO_FAULT
+        header = request.headers.get("x-sim-fault")
+        if header is not None:
+            try:
+                fault = Fault.parse(header)
+            except FaultError as exc:
+                raise ApiError(400, f"x-sim-fault: {exc}") from exc
+            return fault if fault.applies_to(inference.phase) else _NO_FAULT
+        return launch.faults.take(inference.phase) or _NO_FAULT
+
+    def _blocks_needed(self, inference: InferenceRequest) -> int:
+        blocks = math.ceil(
+            (len(inference.prompt_tokens) + inference.max_tokens) / self.options.block_size
+        )
+        if blocks > self.options.num_kv_blocks:
+            raise ApiError(
+                400,
+                f"the request needs {blocks} KV blocks but the engine has "
+                f"{self.options.num_kv_blocks}",
+            )
+        return blocks
+
+    async def _process_prompt(
+        self, launch: _Launch, inference: InferenceRequest, fault: Fault, response_id: str
+    ) -> list[bytes]:
+        """Pay for the prompt (pull, cache hit or compute) and return its block digests."""
+        options = self.options
+        tokens = inference.prompt_tokens
+        digests = block_digests(tokens, options.block_size)
+        full_blocks = len(tokens) // options.block_size
+        cached_tokens = (
+            launch.prefix_cache.cached_blocks(digests[:full_blocks]) * options.block_size
+        )
+        if inference.is_remote_decode:
+            assert inference.kv_transfer_params is not None
+            try:
+                await self._pull(inference.kv_transfer_params, fault, digests, response_id)
+                # The pulled blocks cover the prompt; the last token is recomputed.
+                cached_tokens = len(tokens)
+            except PullError as exc:
+                if options.kv_load_failure_policy == "fail":
+                    raise ApiError(500, f"KV transfer failed: {exc}") from exc
+        compute_tokens = max(1, len(tokens) - cached_tokens)
+        await asyncio.sleep(
+            options.request_overhead_s
+            + compute_tokens * options.prefill_s_per_token * self._slowdown(launch)
+        )
+        launch.prefix_cache.add(digests[:full_blocks])
+        return digests
+
+    async def _pull(
+        self,
+        params: Mapping[str, object],
+        fault: Fault,
+        digests: list[bytes],
+        response_id: str,
+    ) -> None:
+        """Pull the prompt's blocks from the producer named by the descriptor and check them."""
+        host, port = params.get("remote_host"), params.get("remote_port")
+        engine_id, block_ids = params.get("remote_engine_id"), _flat_block_ids(params)
+        if not isinstance(host, str) or not isinstance(port, int) or not isinstance(engine_id, str):
+            raise PullError("malformed descriptor: remote_host, remote_port, remote_engine_id")
+        if block_ids is None:
+            raise PullError("malformed descriptor: remote_block_ids")
+        if len(block_ids) != len(digests):
+            raise PullError(f"{len(block_ids)} blocks offered, the prompt has {len(digests)}")
+        request_id = params.get("remote_request_id")
+        await asyncio.sleep(
+            fault.kv_pull_delay_s + len(block_ids) * self.options.kv_pull_s_per_block
+        )
+        if fault.kv_pull_fail:
+            raise PullError("simulated fault: KV pull failed")
+        pulled = await pull_blocks(
+            host,
+            port,
+            engine_id,
+            request_id if isinstance(request_id, str) else response_id,
+            block_ids,
+        )
+        if pulled != digests:
+            raise PullError("pulled blocks do not match the prompt")
+
+    async def _generate(
+        self, launch: _Launch, generation: Generation, output: Output, fault: Fault
+    ) -> web.StreamResponse | None:
+        """Generate until finished; a fault that ends the request early returns its answer."""
+        marks = [k for k in (fault.silence_after, fault.close_after, fault.error_after) if k]
+        while generation.finish_reason is None:
+            sent = generation.completion_tokens
+            if sent == 0 and fault.done_before_token and output.streaming:
+                return await output.done_early()
+            if fault.silence_after == sent:
+                await self._silence(output, fault)
+            if fault.close_after == sent:
+                return output.abort()
+            if fault.error_after == sent:
+                return await output.fail(
+                    ApiError(fault.error_code, f"simulated fault: error after {sent} tokens")
+                )
+            # Up to the next fault mark: one token per write when tokens are paced, a batch
+            # per write when they are not, everything at once when nobody watches the stream.
+            count = min((k for k in marks if k > sent), default=generation.max_tokens) - sent
+            if output.streaming:
+                count = min(count, 1 if self.options.inter_token_s else ZERO_INTERVAL_BATCH)
+            texts: list[str] = []
+            while len(texts) < count and generation.finish_reason is None:
+                texts.append(generation.step())
+            # Token 0 comes out of the prefill; every later token costs one decode step.
+            await self._decode_steps(launch, len(texts) - (sent == 0))
+            await output.tokens(texts, generation)
+        return None
+
+    async def _decode_steps(self, launch: _Launch, steps: int) -> None:
+        """Wait out decode steps; with no interval, still let other streams run."""
+        await asyncio.sleep(steps * self.options.inter_token_s * self._slowdown(launch))
+
+    async def _silence(self, output: Output, fault: Fault) -> None:
+        if not fault.silence_metadata:
+            await asyncio.sleep(fault.silence_s)
+            return
+        deadline = asyncio.get_running_loop().time() + fault.silence_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            await asyncio.sleep(min(METADATA_INTERVAL_S, left))
+            await output.metadata()
+
+    def _slowdown(self, launch: _Launch) -> float:
+        """Steps get slower as more sequences share the batch."""
+        return 1 + self.options.slowdown_per_seq * max(0, launch.scheduler.running - 1)
+
+    def _hold_for_pull(
+        self,
+        launch: _Launch,
+        seat: Seat,
+        generation: Generation,
+        digests: list[bytes],
+        response_id: str,
+        fault: Fault,
+    ) -> dict[str, object] | None:
+        """A prefill keeps its prompt blocks for the consumer and describes them.
+
+        Like vLLM, only a prefill that stopped on its length cap hands off; otherwise (or
+        with a malformed-descriptor fault) nothing is held.
+        """
+        if generation.finish_reason != "length" or fault.descriptor == "null":
+            return None
+        block_ids = seat.block_ids[: len(digests)]
+        if fault.descriptor is None:
+            block_ids = launch.scheduler.release(seat, keep=len(digests))
+            launch.holds.hold(response_id, block_ids, digests)
+        descriptor: dict[str, object] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": launch.engine_id,
+            "remote_block_ids": block_ids,
+            "remote_host": self.options.advertised_side_channel_host,
+            "remote_port": self._side_channel_port,
+            "tp_size": self.options.tp_size,
+            "remote_request_id": response_id,
+        }
+        if fault.descriptor == "missing_engine_id":
+            del descriptor["remote_engine_id"]
+        elif fault.descriptor == "non_integer_block_ids":
+            descriptor["remote_block_ids"] = [str(block_id) for block_id in block_ids]
+        elif fault.descriptor == "negative_block_ids":
+            descriptor["remote_block_ids"] = [-1 - block_id for block_id in block_ids]
+        return descriptor
+
+    # -- faults that act on the whole engine -----------------------------------------------
+
+    def _crash_by_fault(self) -> None:
+        if self._on_crash is not None:
+            self._on_crash()
+        self._drop_everything()
+
+    def _refuse(self, seconds: float) -> None:
+        """Stop accepting connections for a while; idle keep-alive ones are closed too."""
+        self._close_listener()
+        if self._runner is not None and self._runner.server is not None:
+            for connection in self._runner.server.connections:
+                connection.close()
+        self._reopen = asyncio.create_task(self._listen_after(seconds))
+
+    async def _listen_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await self._listen()
+
+    async def _listen(self) -> None:
+        assert self._runner is not None and self._runner.server is not None
+        self._reopen = None
+        self._http = await asyncio.get_running_loop().create_server(
+            self._runner.server, self.options.host, self._port, reuse_address=True
+        )
+        self._port = self._http.sockets[0].getsockname()[1]
+
+    def _close_listener(self) -> None:
+        if self._reopen is not None:
+            self._reopen.cancel()
+            self._reopen = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def _drop_everything(self) -> None:
+        self._close_listener()
+        if self._runner is not None and self._runner.server is not None:
+            for connection in self._runner.server.connections:
+                if connection.transport is not None:
+                    connection.transport.abort()
+        for task in self._in_flight:
+            task.cancel()
+        self._side_channel.abort()
+        self._launch.holds.drop_all()
+
+    async def _settle(self) -> None:
+        """Give aborted connections' handlers a moment to see the loss and clean up."""
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=1.0)
+
+    def _new_launch(self) -> _Launch:
+        options = self.options
+        scheduler = Scheduler(options.max_num_seqs, options.num_kv_blocks)
+        return _Launch(
+            engine_id=options.engine_id or uuid.uuid4().hex,
+            start_time=time.time(),
+            scheduler=scheduler,
+            holds=HeldBlocks(options.kv_lease_s, scheduler.free_blocks),
+            prefix_cache=PrefixCache(options.num_kv_blocks),
+            faults=ArmedFaults(options.faults),
+        )
+
+    # -- routes ----------------------------------------------------------------------------
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+            ("POST", "/v1/completions", self._completions),
+            ("POST", "/v1/chat/completions", self._chat_completions),
+            ("GET", "/health", self._health),
+            ("GET", "/v1/models", self._models),
+            ("GET", "/version", self._version),
+            ("GET", "/metrics", self._metrics),
+            ("GET", "/sim/identity", self._identity),
+        ]
+        if self.options.faults_enabled:
+            routes += [
+                ("GET", "/sim/faults", self._get_faults),
+                ("POST", "/sim/faults", self._post_faults),
+                ("DELETE", "/sim/faults", self._delete_faults),
+            ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "completions")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "chat")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.options.model,
+            "object": "model",
+            "created": int(self._launch.start_time),
+            "owned_by": "vllm",
+            "root": self.options.model,
+            "parent": None,
+            "max_model_len": self.options.max_model_len,
+        }
+        return _json({"object": "list", "data": [model]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json({"version": self.options.version})
+
+    async def _identity(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "engine_version": self.options.version,
+                "model": self.options.model,
+                "connector": "NixlConnector",
+                "block_size": self.options.block_size,
+                "tp_size": self.options.tp_size,
+                "engine_id": self.engine_id,
+            }
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        scheduler = self._launch.scheduler
+        labels = f'{{engine="0",model_name="{self.options.model}"}}'
+        gauges = [
+            ("vllm:num_requests_running", "Requests in the running batch.", scheduler.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", scheduler.waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage, 1 means 100 percent.",
+                scheduler.kv_usage,
+            ),
+        ]
+        lines = []
+        for name, help_text, value in gauges:
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} gauge",
+                f"{name}{labels} {value}",
+            ]
+        lines += [
+            "# HELP process_start_time_seconds Start time of the process since unix epoch.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {self._launch.start_time}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return _json(self._launch.faults.to_json())
+
+    async def _post_faults(self, request: web.Request) -> web.Response:
+        """Arm the posted fault (or JSON list of faults), replacing what was armed."""
+        try:
+            body = orjson.loads(await request.read())
+            values = body if isinstance(body, list) else [body]
+            faults = [Fault.from_json(value) for value in values]
+        except (FaultError, orjson.JSONDecodeError) as exc:
+            return error_response(ApiError(400, str(exc)))
+        self._launch.faults.replace(faults)
+        return _json(self._launch.faults.to_json())
+
+    async def _delete_faults(self, request: web.Request) -> web.Response:
+        self.clear_faults()
+        return _json([])
+
+
+_NO_FAULT = Fault()
+
+
+def _json(value: object) -> web.Response:
+    return web.Response(body=orjson.dumps(value), content_type="application/json")
+
+
+def _flat_block_ids(params: Mapping[str, object]) -> list[int] | None:
+    """Block ids as one list (a descriptor may give one list per KV-cache group)."""
+    block_ids = params.get("remote_block_ids")
+    if isinstance(block_ids, list) and block_ids and all(isinstance(g, list) for g in block_ids):
+        block_ids = [block_id for group in block_ids for block_id in group]
+    if not isinstance(block_ids, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
+    ):
+        return None
+    return block_ids

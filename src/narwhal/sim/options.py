@@ -1,0 +1,133 @@
+"""Everything one simulated engine is configured with, and the `narwhal sim` flags for it.
+
+The default timings look like a small model on one GPU, scaled so a dev fleet feels real:
+~0.1 ms per prompt token, 5 ms per request, 20 ms between tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from narwhal.sim.faults import Fault, FaultError
+
+FailurePolicy = Literal["fail", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    """One engine's configuration; `port`/`side_channel_port` 0 pick free ports."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    name: str = "sim"
+    model: str = "narwhal-sim"
+    engine_id: str | None = None
+    version: str = "0.11.0"
+    max_model_len: int = 8192
+    block_size: int = 16
+    tp_size: int = 1
+    side_channel_host: str | None = None
+    side_channel_port: int = 0
+    kv_lease_s: float = 480.0
+    kv_load_failure_policy: FailurePolicy = "fail"
+    max_num_seqs: int = 256
+    num_kv_blocks: int = 8192
+    prefill_s_per_token: float = 0.0001
+    request_overhead_s: float = 0.005
+    inter_token_s: float = 0.02
+    kv_pull_s_per_block: float = 0.0002
+    slowdown_per_seq: float = 0.01
+    eos_probability: float = 0.0
+    faults_enabled: bool = False
+    faults: tuple[Fault, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "tp_size", "max_num_seqs", "num_kv_blocks"):
+            _require(self, name, getattr(self, name) >= 1, "must be at least 1")
+        for name in ("port", "side_channel_port"):
+            _require(self, name, 0 <= getattr(self, name) <= 65535, "must be a TCP port")
+        for name in (
+            "kv_lease_s",
+            "prefill_s_per_token",
+            "request_overhead_s",
+            "inter_token_s",
+            "kv_pull_s_per_block",
+            "slowdown_per_seq",
+        ):
+            _require(self, name, getattr(self, name) >= 0, "must not be negative")
+        _require(self, "eos_probability", 0 <= self.eos_probability <= 1, "must be in [0, 1]")
+        _require(
+            self,
+            "kv_load_failure_policy",
+            self.kv_load_failure_policy in ("fail", "recompute"),
+            "must be 'fail' or 'recompute'",
+        )
+        _require(self, "faults", self.faults_enabled or not self.faults, "need faults_enabled")
+
+    @property
+    def advertised_side_channel_host(self) -> str:
+        """The host put in descriptors, like VLLM_NIXL_SIDE_CHANNEL_HOST."""
+        return self.side_channel_host or self.host
+
+
+def _require(options: SimOptions, name: str, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"sim option {name}: {rule}, got {getattr(options, name)!r}")
+
+
+def _fault(text: str) -> Fault:
+    try:
+        return Fault.parse(text)
+    except FaultError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per SimOptions field (`--id` sets `name`)."""
+    d = SimOptions()
+    add = parser.add_argument
+    add("--host", default=d.host, help="HTTP listen address")
+    add("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    add("--id", dest="name", default=d.name, help="engine name used in logs")
+    add("--model", default=d.model, help="served model name")
+    add("--engine-id", default=d.engine_id, help="fixed engine identity (default: fresh uuid)")
+    add("--version", default=d.version, help="vLLM version reported by /version")
+    add("--max-model-len", type=int, default=d.max_model_len, help="prompt + output limit")
+    add("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    add("--tp-size", type=int, default=d.tp_size, help="tensor-parallel size reported")
+    add("--side-channel-host", default=d.side_channel_host, help="KV host (default: --host)")
+    add("--side-channel-port", type=int, default=d.side_channel_port, help="KV port (0: free)")
+    add("--kv-lease-s", type=float, default=d.kv_lease_s, help="held blocks expire after this")
+    add(
+        "--kv-load-failure-policy",
+        choices=("fail", "recompute"),
+        default=d.kv_load_failure_policy,
+        help="what a decode does when its KV pull fails",
+    )
+    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
+    add("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV block budget")
+    add("--prefill-s-per-token", type=float, default=d.prefill_s_per_token, help="prefill cost")
+    add("--request-overhead-s", type=float, default=d.request_overhead_s, help="per request")
+    add("--inter-token-s", type=float, default=d.inter_token_s, help="decode step (0 allowed)")
+    add("--kv-pull-s-per-block", type=float, default=d.kv_pull_s_per_block, help="pull cost")
+    add("--slowdown-per-seq", type=float, default=d.slowdown_per_seq, help="per running seq")
+    add("--eos-probability", type=float, default=d.eos_probability, help="per token")
+    add("--enable-faults", dest="faults_enabled", action="store_true", help="serve /sim/faults")
+    add(
+        "--fault",
+        dest="faults",
+        type=_fault,
+        action="append",
+        default=[],
+        help="arm a fault (JSON object); repeatable; implies --enable-faults",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> SimOptions:
+    """Build SimOptions from parsed flags; raises ValueError naming a bad option."""
+    values = {field.name: getattr(args, field.name) for field in fields(SimOptions)}
+    values["faults"] = tuple(args.faults)
+    values["faults_enabled"] = args.faults_enabled or bool(args.faults)
+    return SimOptions(**values)

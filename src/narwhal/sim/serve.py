@@ -1,0 +1,49 @@
+"""`narwhal sim`: run one engine until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.options import SimOptions, options_from_args
+
+CRASH_EXIT_CODE = 70
+"""Exit status of a process killed by the `crash` fault (EX_SOFTWARE)."""
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    """Serve one simulated engine from parsed flags; returns the process exit status."""
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"narwhal sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(options))
+    else:
+        uvloop.run(_serve(options))
+    return 0
+
+
+async def _serve(options: SimOptions) -> None:
+    engine = SimEngine(options, on_crash=lambda: os._exit(CRASH_EXIT_CODE))
+    await engine.start()
+    print(
+        f"narwhal sim {options.name} listening on {engine.url} "
+        f"(side channel {options.advertised_side_channel_host}:{engine.side_channel_port})",
+        flush=True,
+    )
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopped.set)
+    try:
+        await stopped.wait()
+    finally:
+        await engine.stop()
