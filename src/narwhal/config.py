@@ -1,0 +1,760 @@
+"""Narwhal's configuration: one frozen, typed object, built and validated once at start-up.
+
+Every problem in a fleet file is collected and reported together, each naming its key path and
+the bad value, so an operator fixes the file in one pass instead of one restart per mistake.
+Nothing here reads the environment: `engine.api_key_env` is only the *name* of a variable.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import math
+import re
+import sys
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final, TypeGuard, TypeVar
+from urllib.parse import urlsplit
+
+
+class Role(enum.StrEnum):
+    """Which legs of a handoff an engine may serve."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def can_prefill(self) -> bool:
+        """Whether the engine may be a producer (run the prefill leg)."""
+        return self is not Role.DECODE
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the engine may be a consumer (run the decode leg)."""
+        return self is not Role.PREFILL
+
+
+class RestartPolicy(enum.StrEnum):
+    """How ejected engines return: each on its own, or a restart wave all together."""
+
+    INDIVIDUAL = "individual"
+    WHOLE_WAVE = "whole_wave"
+
+
+ContractValue = str | int | float | bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`[server]`: where the router listens and who may call it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    graceful_timeout_s: float = 30.0
+    # Kept out of repr so that logging a config never logs a credential.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """`[engine]`: how the router talks to every engine."""
+
+    first_token_timeout_s: float = 2.5
+    decode_read_timeout_s: float = 10.0
+    prefill_timeout_s: float = 120.0
+    connect_timeout_s: float = 5.0
+    health_timeout_s: float = 5.0
+    kv_lease_s: float = 480.0
+    api_key_env: str | None = None
+    ca_bundle: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """`[serving]`: per-request deadline, retries and admission."""
+
+    request_timeout_s: float = 600.0
+    max_attempts: int = 1
+    retry_budget: int = 10
+    retry_replenish: float = 0.1
+    max_request_bytes: int = 4_194_304
+    queue_capacity: int = 1024
+    queue_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryConfig:
+    """`[recovery]`: ejection, readmission and quarantine of failing engines."""
+
+    eject_after: int = 3
+    readmit_interval_s: float = 10.0
+    failure_quarantine_s: float = 0.0
+    restart_policy: RestartPolicy = RestartPolicy.INDIVIDUAL
+
+
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """`[journal]`: where one JSON line per request goes; no journal when `path` is None."""
+
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineContract:
+    """`[engine_contract]`: what every engine must be; `extra` holds the free-form fields."""
+
+    engine_version: str
+    model: str
+    connector: str
+    block_size: int
+    tp_size: int
+    extra: Mapping[str, ContractValue] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One `[[engines]]` entry: an engine's identity, address, role and seat limits."""
+
+    id: str
+    url: str
+    role: Role
+    max_prefill_seats: int = 64
+    max_decode_seats: int = 256
+    identity_url: str | None = None
+    kv_hosts: tuple[str, ...] = ()
+
+
+# The safety margin kept between the handoff bound and the producer's KV lease.
+_HANDOFF_MARGIN: Final = 1 / 6
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole validated configuration; build it with `load_config` or `parse_config`."""
+
+    model: str
+    engines: tuple[EngineSpec, ...]
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    engine_contract: EngineContract | None = None
+
+    @property
+    def handoff_bound_s(self) -> float:
+        """The oldest a handoff may be when its decode is sent: the KV lease less a sixth."""
+        return self.engine.kv_lease_s * (1 - _HANDOFF_MARGIN)
+
+    def engine_spec(self, engine_id: str) -> EngineSpec:
+        """The engine with this id; KeyError if there is none."""
+        for spec in self.engines:
+            if spec.id == engine_id:
+                return spec
+        raise KeyError(engine_id)
+
+
+class ConfigError(Exception):
+    """Every problem found in one configuration; `str()` gives one problem per line."""
+
+    def __init__(self, problems: Iterable[str], source: str) -> None:
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.source = source
+        super().__init__("\n".join(self.problems))
+
+    def report(self) -> str:
+        """The report printed at start-up and by `narwhal config validate`."""
+        count = len(self.problems)
+        header = f"{self.source}: {count} problem{'' if count == 1 else 's'}"
+        return "\n".join([header, *(f"  {problem}" for problem in self.problems)])
+
+
+def load_config(path: Path) -> Config:
+    """Read a fleet file (`.toml`, or `.json` with the same structure) and validate it."""
+    source = str(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError([f'unsupported file type "{path.suffix}": use .toml or .json'], source)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(["file not found"], source) from None
+    except OSError as error:
+        raise ConfigError([f"cannot read file: {error.strerror or error}"], source) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError([f"not valid UTF-8 at byte {error.start}"], source) from None
+    if suffix == ".toml":
+        try:
+            raw: object = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError([f"invalid TOML: {error}"], source) from None
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            where = f"(at line {error.lineno}, column {error.colno})"
+            raise ConfigError([f"invalid JSON: {error.msg} {where}"], source) from None
+    return _build(raw, source)
+
+
+def parse_config(data: Mapping[str, object], source: str = "<config>") -> Config:
+    """Validate an already-parsed mapping, as `load_config` does for a file."""
+    return _build(data, source)
+
+
+def validate_command(path: Path) -> int:
+    """`narwhal config validate FILE`: the start-up report, without serving; the exit code."""
+    try:
+        config = load_config(path)
+    except ConfigError as error:
+        print(error.report(), file=sys.stderr)
+        return 1
+    print(_summary(config, str(path)))
+    return 0
+
+
+def _summary(config: Config, source: str) -> str:
+    engine, serving = config.engine, config.serving
+    roles = ", ".join(
+        f"{sum(spec.role is role for spec in config.engines)} {role}" for role in Role
+    )
+    decode_read = f"{engine.decode_read_timeout_s:g} s" if engine.decode_read_timeout_s else "off"
+    contract = config.engine_contract
+    pinned = (
+        f"version {contract.engine_version}, {contract.connector}, "
+        f"block size {contract.block_size}, tp {contract.tp_size}"
+        if contract
+        else "none"
+    )
+    return "\n".join(
+        [
+            f"{source}: OK",
+            f"  model: {config.model}",
+            f"  engines: {len(config.engines)} ({roles})",
+            f"  timeouts: first token {engine.first_token_timeout_s:g} s, "
+            f"decode read {decode_read}, prefill {engine.prefill_timeout_s:g} s, "
+            f"request {serving.request_timeout_s:g} s",
+            f"  handoff bound: {config.handoff_bound_s:g} s "
+            f"(kv lease {engine.kv_lease_s:g} s less a sixth)",
+            f"  engine contract: {pinned}",
+        ]
+    )
+
+
+# --- Reading -------------------------------------------------------------------------------
+
+_MISSING: Final = object()
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+_ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HOST = re.compile(r"[^\s/@]+")
+_LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARD: Final = frozenset({"0.0.0.0", "::", ""})
+
+
+class _Problems:
+    """The problems found so far, and which key paths they concern.
+
+    Cross-field checks skip keys that already failed, so one mistake is not reported twice
+    against a stand-in value.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._paths: set[str] = set()
+
+    def add(self, path: str, message: str) -> None:
+        self.messages.append(f"{path}: {message}")
+        self._paths.add(path)
+
+    def failed(self, *prefixes: str) -> bool:
+        return any(
+            path == prefix or path.startswith((prefix + ".", prefix + "["))
+            for path in self._paths
+            for prefix in prefixes
+        )
+
+
+class _Table:
+    """One table of the file: typed getters that record problems and fall back to a stand-in.
+
+    Every key a getter asks for counts as known; `close()` refuses the rest as unknown.
+    """
+
+    def __init__(self, problems: _Problems, path: str, raw: object) -> None:
+        self._problems = problems
+        self._path = path
+        self._known: list[str] = []
+        self._raw: Mapping[object, object] = {}
+        if isinstance(raw, Mapping):
+            self._raw = raw
+        else:
+            problems.add(path, f"must be a table, got {_show(raw)}")
+
+    @property
+    def where(self) -> str:
+        """This table's own key path."""
+        return self._path
+
+    def path(self, key: str) -> str:
+        return f"{self._path}.{key}" if self._path else key
+
+    def fail(self, key: str, message: str) -> None:
+        self._problems.add(self.path(key), message)
+
+    def has(self, key: str) -> bool:
+        return key in self._raw
+
+    def take(self, key: str, required: bool) -> object:
+        """The raw value, or `_MISSING`; a missing required key is a problem."""
+        self._known.append(key)
+        if key in self._raw:
+            return self._raw[key]
+        if required:
+            self.fail(key, "required key is missing")
+        return _MISSING
+
+    def integer(self, key: str, default: int | None, low: int, high: int | None = None) -> int:
+        """An int in [low, high]; booleans are not integers. A None default makes it required."""
+        value = self.take(key, required=default is None)
+        fallback = low if default is None else default
+        if value is _MISSING:
+            return fallback
+        if _is_int(value) and low <= value and (high is None or value <= high):
+            return value
+        wanted = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+        self.fail(key, f"must be {wanted}, got {_show(value)}")
+        return fallback
+
+    def number(self, key: str, default: float, *, zero_ok: bool = False) -> float:
+        """A finite number > 0 (or >= 0); ints are accepted as floats, booleans are not."""
+        value = self.take(key, required=False)
+        if value is _MISSING:
+            return default
+        bound = ">= 0" if zero_ok else "> 0"
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                self.fail(key, f"must be a finite number {bound}, got {_show(value)}")
+                return default
+            if number > 0 or (zero_ok and number == 0):
+                return number
+        self.fail(key, f"must be a number {bound}, got {_show(value)}")
+        return default
+
+    def string(
+        self,
+        key: str,
+        default: str | None,
+        *,
+        pattern: re.Pattern[str] | None = None,
+        wanted: str = "a non-empty string",
+    ) -> str:
+        """A non-empty string, fully matching `pattern` if given. A None default: required."""
+        value = self.take(key, required=default is None)
+        fallback = "" if default is None else default
+        if value is _MISSING:
+            return fallback
+        if isinstance(value, str) and value and (pattern is None or pattern.fullmatch(value)):
+            return value
+        self.fail(key, f"must be {wanted}, got {_show(value)}")
+        return fallback
+
+    def optional_string(self, key: str) -> str | None:
+        """A non-empty string, or None when the key is absent."""
+        return self.string(key, "") or None
+
+    def strings(
+        self, key: str, *, pattern: re.Pattern[str] | None = None, secret: bool = False
+    ) -> tuple[str, ...]:
+        """A list of non-empty strings; `secret` keeps the values out of every message."""
+        value = self.take(key, required=False)
+        if value is _MISSING:
+            return ()
+        show = _withheld if secret else _show
+        if not isinstance(value, list):
+            self.fail(key, f"must be a list of strings, got {show(value)}")
+            return ()
+        items: list[str] = []
+        for index, item in enumerate(value):
+            if isinstance(item, str) and item and (pattern is None or pattern.fullmatch(item)):
+                items.append(item)
+            else:
+                got = _show(item) if item == "" else show(item)
+                self.fail(f"{key}[{index}]", f"must be a non-empty string, got {got}")
+        return tuple(items)
+
+    def choice(self, key: str, kind: type[_E], default: _E | None) -> _E:
+        """One of an enum's values, given as its string. A None default: required."""
+        value = self.take(key, required=default is None)
+        fallback = next(iter(kind)) if default is None else default
+        if value is _MISSING:
+            return fallback
+        for member in kind:
+            if isinstance(value, str) and value == member.value:
+                return member
+        options = ", ".join(f'"{member.value}"' for member in kind)
+        self.fail(key, f"must be one of {options}, got {_show(value)}")
+        return fallback
+
+    def table(self, key: str) -> _Table:
+        """A sub-table; an absent one reads as empty, so all its keys take their defaults."""
+        value = self.take(key, required=False)
+        return _Table(self._problems, self.path(key), {} if value is _MISSING else value)
+
+    def optional_table(self, key: str) -> _Table | None:
+        """A sub-table whose absence means something; None when absent or not a table."""
+        if not self.has(key):
+            self.take(key, required=False)
+            return None
+        table = self.table(key)
+        return table if isinstance(self._raw[key], Mapping) else None
+
+    def items(self, key: str) -> list[object] | None:
+        """A required list (`[[key]]` in TOML); None when absent or not a list."""
+        value = self.take(key, required=True)
+        if value is _MISSING:
+            return None
+        if not isinstance(value, list):
+            self.fail(key, f"must be a list of tables, got {_show(value)}")
+            return None
+        return value
+
+    def rest(self) -> dict[str, object]:
+        """The keys no getter asked for, now counted as known."""
+        rest = {str(key): value for key, value in self._raw.items() if key not in self._known}
+        self._known.extend(rest)
+        return rest
+
+    def close(self) -> None:
+        """Refuse every key no getter asked for, suggesting the nearest known one."""
+        known = list(self._known)
+        for key in self.rest():
+            near = difflib.get_close_matches(key, known, n=1)
+            self.fail(key, "unknown key" + (f' (did you mean "{near[0]}"?)' if near else ""))
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: object) -> str:
+    """A value as the file would spell it, cut short when long."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str | list | dict) or value is None:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    else:
+        text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _withheld(value: object) -> str:
+    """What a value is, without what it says: it may be a credential."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters (value withheld)"
+    kind = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        list: "a list",
+        dict: "a table",
+    }
+    return f"{kind.get(type(value), 'a ' + type(value).__name__)} (value withheld)"
+
+
+# --- Building ------------------------------------------------------------------------------
+
+
+def _build(raw: object, source: str) -> Config:
+    problems = _Problems()
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"the top level must be a table of keys, got {_show(raw)}"], source)
+    top = _Table(problems, "", raw)
+    model = top.string("model", None)
+    server = _server(top.table("server"))
+    engine = _engine(top.table("engine"))
+    serving = _serving(top.table("serving"))
+    recovery = _recovery(top.table("recovery"))
+    journal = _journal(top.table("journal"))
+    contract_table = top.optional_table("engine_contract")
+    contract = _contract(contract_table) if contract_table else None
+    entries = top.items("engines")
+    engines: dict[str, EngineSpec] = {}
+    for index, entry in enumerate(entries or ()):
+        table = _Table(problems, f"engines[{index}]", entry)
+        if isinstance(entry, Mapping):
+            engines[table.where] = _engine_spec(table)
+    top.close()
+    config = Config(
+        model, tuple(engines.values()), server, engine, serving, recovery, journal, contract
+    )
+    _check_timeouts(config, problems)
+    if entries is not None:
+        complete = len(engines) == len(entries)
+        _check_engines(engines, complete, config.server, problems)
+    if (
+        contract
+        and contract.model != model
+        and not problems.failed("model", "engine_contract.model")
+    ):
+        problems.add(
+            "engine_contract.model",
+            f"must equal model ({_show(model)}), got {_show(contract.model)}",
+        )
+    if problems.messages:
+        raise ConfigError(problems.messages, source)
+    return config
+
+
+def _server(table: _Table) -> ServerConfig:
+    d = ServerConfig()
+    server = ServerConfig(
+        host=table.string("host", d.host),
+        port=table.integer("port", d.port, 0, 65535),
+        graceful_timeout_s=table.number("graceful_timeout_s", d.graceful_timeout_s, zero_ok=True),
+        api_keys=table.strings("api_keys", secret=True),
+        admin_api_keys=table.strings("admin_api_keys", secret=True),
+    )
+    table.close()
+    return server
+
+
+def _engine(table: _Table) -> EngineConfig:
+    d = EngineConfig()
+    engine = EngineConfig(
+        first_token_timeout_s=table.number("first_token_timeout_s", d.first_token_timeout_s),
+        decode_read_timeout_s=table.number(
+            "decode_read_timeout_s", d.decode_read_timeout_s, zero_ok=True
+        ),
+        prefill_timeout_s=table.number("prefill_timeout_s", d.prefill_timeout_s),
+        connect_timeout_s=table.number("connect_timeout_s", d.connect_timeout_s),
+        health_timeout_s=table.number("health_timeout_s", d.health_timeout_s),
+        kv_lease_s=table.number("kv_lease_s", d.kv_lease_s),
+        api_key_env=_env_name(table, "api_key_env"),
+        ca_bundle=table.optional_string("ca_bundle"),
+    )
+    table.close()
+    return engine
+
+
+def _env_name(table: _Table, key: str) -> str | None:
+    """The name of an environment variable; a bad one is withheld, as it may be the secret."""
+    value = table.take(key, required=False)
+    if value is _MISSING:
+        return None
+    if isinstance(value, str) and _ENV_NAME.fullmatch(value):
+        return value
+    table.fail(
+        key,
+        "must be the name of an environment variable (letters, digits and _, not starting "
+        f"with a digit), got {_withheld(value)}",
+    )
+    return None
+
+
+def _serving(table: _Table) -> ServingConfig:
+    d = ServingConfig()
+    serving = ServingConfig(
+        request_timeout_s=table.number("request_timeout_s", d.request_timeout_s),
+        max_attempts=table.integer("max_attempts", d.max_attempts, 1),
+        retry_budget=table.integer("retry_budget", d.retry_budget, 0),
+        retry_replenish=table.number("retry_replenish", d.retry_replenish, zero_ok=True),
+        max_request_bytes=table.integer("max_request_bytes", d.max_request_bytes, 1),
+        queue_capacity=table.integer("queue_capacity", d.queue_capacity, 0),
+        queue_timeout_s=table.number("queue_timeout_s", d.queue_timeout_s),
+    )
+    table.close()
+    return serving
+
+
+def _recovery(table: _Table) -> RecoveryConfig:
+    d = RecoveryConfig()
+    recovery = RecoveryConfig(
+        eject_after=table.integer("eject_after", d.eject_after, 1),
+        readmit_interval_s=table.number("readmit_interval_s", d.readmit_interval_s),
+        failure_quarantine_s=table.number(
+            "failure_quarantine_s", d.failure_quarantine_s, zero_ok=True
+        ),
+        restart_policy=table.choice("restart_policy", RestartPolicy, d.restart_policy),
+    )
+    table.close()
+    return recovery
+
+
+def _journal(table: _Table) -> JournalConfig:
+    journal = JournalConfig(path=table.optional_string("path"))
+    table.close()
+    return journal
+
+
+def _contract(table: _Table) -> EngineContract:
+    engine_version = table.string("engine_version", None)
+    model = table.string("model", None)
+    connector = table.string("connector", None)
+    block_size = table.integer("block_size", None, 1)
+    tp_size = table.integer("tp_size", None, 1)
+    extra: dict[str, ContractValue] = {}
+    for key, value in table.rest().items():
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if isinstance(value, str | int | float) and finite:
+            extra[key] = value
+        else:
+            table.fail(key, f"must be a string, a finite number or a boolean, got {_show(value)}")
+    return EngineContract(
+        engine_version, model, connector, block_size, tp_size, MappingProxyType(extra)
+    )
+
+
+def _engine_spec(table: _Table) -> EngineSpec:
+    d = EngineSpec("", "", Role.BOTH)
+    engine_id = table.string(
+        "id",
+        None,
+        pattern=_ENGINE_ID,
+        wanted='a string of 1 to 64 letters, digits, ".", "_" or "-"',
+    )
+    url = table.string("url", None)
+    if url and (defect := _url_defect(url, path_ok=False)):
+        table.fail("url", f"{defect}, got {_show(url)}")
+    elif url.endswith("/"):
+        url = url[:-1]
+    identity_url = table.optional_string("identity_url")
+    if identity_url and (defect := _url_defect(identity_url, path_ok=True)):
+        table.fail("identity_url", f"{defect}, got {_show(identity_url)}")
+    spec = EngineSpec(
+        id=engine_id,
+        url=url,
+        role=table.choice("role", Role, None),
+        max_prefill_seats=table.integer("max_prefill_seats", d.max_prefill_seats, 0),
+        max_decode_seats=table.integer("max_decode_seats", d.max_decode_seats, 0),
+        identity_url=identity_url,
+        kv_hosts=table.strings("kv_hosts", pattern=_HOST),
+    )
+    table.close()
+    return spec
+
+
+def _url_defect(url: str, *, path_ok: bool) -> str | None:
+    """What is wrong with an engine URL, or None; the router appends the routes itself."""
+    if any(char.isspace() for char in url):
+        return "must not contain whitespace"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return "must name a host"
+    if parts.username is not None or parts.password is not None:
+        return "must not carry credentials (name them with engine.api_key_env)"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not port and ":" in parts.netloc.rsplit("]", 1)[-1]:
+        return "must have a port in 1..65535"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "must not have a query or fragment"
+    if not path_ok and parts.path not in ("", "/"):
+        return 'must not have a path beyond "/" (the router adds the routes)'
+    return None
+
+
+def _address(url: str) -> tuple[str, str, int]:
+    """An engine URL reduced to what decides where it connects, for spotting duplicates."""
+    parts = urlsplit(url)
+    default_port = 443 if parts.scheme == "https" else 80
+    return parts.scheme, parts.hostname or "", parts.port or default_port
+
+
+# --- Cross-field checks --------------------------------------------------------------------
+
+
+def _check_timeouts(config: Config, problems: _Problems) -> None:
+    """Timeouts that the request deadline or the KV lease would make unreachable."""
+    engine, request = config.engine, config.serving.request_timeout_s
+    bounded = [
+        ("engine.first_token_timeout_s", engine.first_token_timeout_s),
+        ("engine.prefill_timeout_s", engine.prefill_timeout_s),
+        ("engine.decode_read_timeout_s", engine.decode_read_timeout_s),
+        ("serving.queue_timeout_s", config.serving.queue_timeout_s),
+    ]
+    for path, value in bounded:
+        if value > request and not problems.failed(path, "serving.request_timeout_s"):
+            problems.add(
+                path, f"must not exceed serving.request_timeout_s ({request:g}), got {value:g}"
+            )
+    bound = config.handoff_bound_s
+    if engine.prefill_timeout_s >= bound and not problems.failed(
+        "engine.prefill_timeout_s", "engine.kv_lease_s"
+    ):
+        # A prefill allowed to run that long would hand off blocks its producer is freeing.
+        problems.add(
+            "engine.prefill_timeout_s",
+            f"must be below the handoff bound ({bound:g}: engine.kv_lease_s "
+            f"{engine.kv_lease_s:g} less a sixth), got {engine.prefill_timeout_s:g}",
+        )
+
+
+def _check_engines(
+    engines: Mapping[str, EngineSpec], complete: bool, server: ServerConfig, problems: _Problems
+) -> None:
+    """The fleet as a whole: non-empty, both legs servable, no engine listed twice.
+
+    `engines` maps each entry's key path to its spec; `complete` is False when an entry was
+    not a table and so is missing from it.
+    """
+    if not engines:
+        if complete:
+            problems.add("engines", "at least one engine is required")
+        return
+    seen_ids: set[str] = set()
+    seen_urls: set[tuple[str, str, int]] = set()
+    for path, spec in engines.items():
+        if not problems.failed(f"{path}.id"):
+            if spec.id in seen_ids:
+                problems.add(f"{path}.id", f"duplicate engine id {_show(spec.id)}")
+            seen_ids.add(spec.id)
+        if not problems.failed(f"{path}.url"):
+            address = _address(spec.url)
+            if address in seen_urls:
+                problems.add(f"{path}.url", f"duplicate engine url {_show(spec.url)}")
+            seen_urls.add(address)
+            if _is_router(address, server) and not problems.failed("server"):
+                problems.add(
+                    f"{path}.url",
+                    f"points at the router itself (server.host {_show(server.host)}, "
+                    f"server.port {server.port}), got {_show(spec.url)}",
+                )
+    # A stand-in role must not decide whether the fleet can serve a leg.
+    if not complete or any(problems.failed(f"{path}.role") for path in engines):
+        return
+    if not any(spec.role.can_prefill for spec in engines.values()):
+        problems.add("engines", 'no engine may prefill: give one the role "prefill" or "both"')
+    if not any(spec.role.can_decode for spec in engines.values()):
+        problems.add("engines", 'no engine may decode: give one the role "decode" or "both"')
+
+
+def _is_router(address: tuple[str, str, int], server: ServerConfig) -> bool:
+    """Whether an engine address is the router's own listening address (a request loop)."""
+    _, host, port = address
+    listen = server.host.lower().strip("[]")
+    if port != server.port:
+        return False
+    return host == listen or (host in _LOOPBACK and listen in _LOOPBACK | _WILDCARD)
