@@ -1,6 +1,6 @@
 """One simulated vLLM engine: its HTTP routes, the request path, its lifecycle and its faults.
 
-The request path reads top to bottom in `_inference`: validate → pick a fault → open the
+The request path reads top to bottom in `_serve_inference`: validate → pick a fault → open the
 response → take a seat → process the prompt (compute, cache hit or KV pull) → generate →
 answer (with a descriptor for a prefill). Everything a "process" owns lives in a `_Launch`,
 so a crash drops it and a restart builds a new one on the same ports.
@@ -12,8 +12,10 @@ import asyncio
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -44,6 +46,23 @@ KEEPALIVE_TIMEOUT_S = 5.0
 """vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
 
 
+RECEIVED_KEPT = 1024
+"""How many recent inference requests an engine remembers for inspection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One inference request as it arrived, so callers can check what a router sent."""
+
+    path: str
+    request_id: str | None
+    raw: bytes
+
+    @property
+    def body(self) -> Any:
+        return orjson.loads(self.raw)
+
+
 @dataclass(slots=True)
 class _Launch:
     """What one engine process owns; a crash discards it, a restart makes a new one."""
@@ -71,6 +90,7 @@ class SimEngine:
         self._side_channel_port = options.side_channel_port
         self._reopen: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[object]] = set()
+        self.received: deque[Received] = deque(maxlen=RECEIVED_KEPT)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -87,7 +107,7 @@ class SimEngine:
             await self._runner.setup()
         self._launch = self._new_launch()
         self._side_channel_port = await self._side_channel.listen(
-            self.options.side_channel_host or self.options.host, self._side_channel_port
+            self.options.resolved_side_channel_host, self._side_channel_port
         )
         await self._listen()
 
@@ -158,9 +178,11 @@ class SimEngine:
     async def _serve_inference(self, request: web.Request, route: Route) -> web.StreamResponse:
         launch = self._launch
         created = int(time.time())
+        raw = await request.read()
+        self.received.append(Received(request.path, request.headers.get("X-Request-Id"), raw))
         try:
             inference = parse_request(
-                await request.read(),
+                raw,
                 route,
                 model=self.options.model,
                 max_model_len=self.options.max_model_len,
@@ -382,7 +404,7 @@ class SimEngine:
             "do_remote_decode": False,
             "remote_engine_id": launch.engine_id,
             "remote_block_ids": block_ids,
-            "remote_host": self.options.advertised_side_channel_host,
+            "remote_host": self.options.resolved_side_channel_host,
             "remote_port": self._side_channel_port,
             "tp_size": self.options.tp_size,
             "remote_request_id": response_id,
