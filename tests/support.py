@@ -1,0 +1,138 @@
+"""Shared test support: a real router over real sockets in front of in-process simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from openai import AsyncOpenAI
+
+from narwhal.config import parse_config
+from narwhal.router.app import RouterServer
+from narwhal.sim.engine import SimEngine
+from narwhal.sim.fleet import SimFleet
+from narwhal.sim.options import SimOptions
+
+MODEL = "narwhal-sim"
+# Quick engines: tests wait on faults, not on simulated compute.
+FAST = SimOptions(
+    faults_enabled=True,
+    prefill_s_per_token=0.0,
+    request_overhead_s=0.0,
+    inter_token_s=0.001,
+    kv_pull_s_per_block=0.0,
+    slowdown_per_seq=0.0,
+)
+CROSSED = (("p0", "prefill"), ("d0", "decode"))
+
+
+@dataclass
+class Stack:
+    """One fleet plus one router; `engine(name)` reaches a simulated engine directly."""
+
+    fleet: SimFleet
+    server: RouterServer
+    journal_path: Path
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def engine(self, name: str) -> SimEngine:
+        return next(e for e in self.fleet.engines if e.options.name == name)
+
+    def openai(self, **kwargs: Any) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+    async def journal(self, expect: int = 1) -> list[dict[str, Any]]:
+        """The journal once it holds at least `expect` lines (it is written off the loop)."""
+        lines: list[bytes] = []
+        for _ in range(200):
+            if self.journal_path.exists():
+                lines = self.journal_path.read_bytes().splitlines()
+                if len(lines) >= expect:
+                    break
+            await asyncio.sleep(0.01)
+        return [orjson.loads(line) for line in lines]
+
+    async def post(self, route: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST and return (status, parsed JSON or raw SSE text)."""
+        async with self.http.post(self.url + route, json=body) as response:
+            raw = await response.read()
+            if response.content_type == "application/json":
+                return response.status, orjson.loads(raw)
+            return response.status, raw.decode()
+
+
+StackFactory = Callable[..., AbstractAsyncContextManager[Stack]]
+
+
+def stack_factory(tmp_path: Path) -> StackFactory:
+    """`async with make_stack(roles, engine={...}, sim={...}) as stack:`"""
+
+    @asynccontextmanager
+    async def factory(
+        roles: Sequence[tuple[str, str]] = CROSSED,
+        *,
+        sim: dict[str, Any] | None = None,
+        **sections: dict[str, Any],
+    ) -> AsyncIterator[Stack]:
+        options = [replace(FAST, name=name, **(sim or {})) for name, _ in roles]
+        journal_path = tmp_path / "journal.jsonl"
+        async with SimFleet(options) as fleet:
+            config = parse_config(
+                {
+                    "model": MODEL,
+                    "journal": {"path": str(journal_path)},
+                    **sections,
+                    "engines": [
+                        {"id": name, "url": engine.url, "role": role}
+                        for (name, role), engine in zip(roles, fleet.engines, strict=True)
+                    ],
+                },
+                source="test",
+            )
+            server = RouterServer(config, port=0)
+            await server.start()
+            try:
+                async with aiohttp.ClientSession() as http:
+                    yield Stack(fleet, server, journal_path, http)
+            finally:
+                await server.stop()
+
+    return factory
+
+
+COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "The sea is deep and", "max_tokens": 8}
+CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about whales"}],
+    "max_tokens": 9,
+}
+
+
+async def direct_text(engine_url: str, route: str, body: dict[str, Any]) -> str:
+    """What one engine alone generates for `body` (non-streaming, no handoff)."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(engine_url + route, json={**body, "stream": False}) as response,
+    ):
+        answer = await response.json()
+    choice = answer["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+
+def sse_payloads(text: str) -> list[dict[str, Any]]:
+    """The JSON payloads of an SSE body, without the final [DONE]."""
+    payloads = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: ") and block != "data: [DONE]":
+            payloads.append(orjson.loads(block[6:]))
+    return payloads
