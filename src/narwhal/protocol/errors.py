@@ -70,6 +70,7 @@ class NarwhalError(Exception):
         *,
         transient: bool = False,
         engine: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -77,11 +78,15 @@ class NarwhalError(Exception):
         self.cause = cause
         self.transient = transient
         self.engine = engine
+        self.retry_after = retry_after
 
     @property
     def is_engine_fault(self) -> bool:
         """True when an engine misbehaved (counts against it), false for client or admission."""
         return self.engine is not None and self.cause is not Cause.BAD_REQUEST
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         return {

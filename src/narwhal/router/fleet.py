@@ -1,25 +1,47 @@
-"""The engines the router knows, their phase seats, and placement over them.
+"""The engines the router knows, their phase seats, placement, and the wait for a seat.
 
-Placement is kept apart from the request path: the path asks for a producer and a
-consumer and gets back a `Reservation` holding one seat on each, which it must release.
+The request path asks `Fleet.reserve()` for a producer and a consumer and gets back a
+`Reservation` holding one prefill seat and one decode seat, each released exactly once.
+When no pair of seats is free the request waits in a bounded FIFO queue.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
+import random
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from narwhal.config import EngineSpec
 from narwhal.protocol.errors import Cause, NarwhalError
 
 
+class EngineState(StrEnum):
+    ADMITTED = "admitted"
+    QUARANTINED = "quarantined"
+    EJECTED = "ejected"
+
+
+class Phase(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 @dataclass(eq=False, slots=True)
 class Engine:
-    """One engine as the router sees it: its spec and the seats requests hold on it."""
+    """One engine as the router sees it: its spec, its seats in use and its standing."""
 
     spec: EngineSpec
     prefill_seats: int = 0
     decode_seats: int = 0
+    quarantined_until: float = 0.0
+    ejected: bool = False
+    # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
+    reported_waiting: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -29,9 +51,35 @@ class Engine:
     def url(self) -> str:
         return self.spec.url
 
-    @property
-    def load(self) -> int:
-        return self.prefill_seats + self.decode_seats
+    def state(self, now: float) -> EngineState:
+        if self.ejected:
+            return EngineState.EJECTED
+        if now < self.quarantined_until:
+            return EngineState.QUARANTINED
+        return EngineState.ADMITTED
+
+    def serves(self, phase: Phase) -> bool:
+        role = self.spec.role
+        return role.can_prefill if phase is Phase.PREFILL else role.can_decode
+
+    def has_seat(self, phase: Phase) -> bool:
+        if phase is Phase.PREFILL:
+            limit, used = self.spec.max_prefill_seats, self.prefill_seats
+        else:
+            limit, used = self.spec.max_decode_seats, self.decode_seats
+        return limit == 0 or used < limit
+
+    def load(self) -> float:
+        """Fraction of seats in use (raw count where unlimited) plus the engine's own queue."""
+        return (
+            _fraction(self.prefill_seats, self.spec.max_prefill_seats)
+            + _fraction(self.decode_seats, self.spec.max_decode_seats)
+            + self.reported_waiting
+        )
+
+
+def _fraction(used: int, limit: int) -> float:
+    return used / limit if limit else float(used)
 
 
 @dataclass(eq=False, slots=True)
@@ -42,63 +90,183 @@ class Reservation:
     or `release` runs first; later calls are no-ops.
     """
 
+    fleet: Fleet
     producer: Engine
     consumer: Engine
-    _prefill_held: bool = field(default=True)
-    _decode_held: bool = field(default=True)
+    prefill_held: bool = True
+    decode_held: bool = True
 
     @property
     def crossed(self) -> bool:
         return self.producer is not self.consumer
 
     def release_prefill(self) -> None:
-        if self._prefill_held:
-            self._prefill_held = False
+        if self.prefill_held:
+            self.prefill_held = False
             self.producer.prefill_seats -= 1
+            self.fleet.seat_freed()
 
     def release_decode(self) -> None:
-        if self._decode_held:
-            self._decode_held = False
+        if self.decode_held:
+            self.decode_held = False
             self.consumer.decode_seats -= 1
+            self.fleet.seat_freed()
 
     def release(self) -> None:
         self.release_prefill()
         self.release_decode()
 
 
-class Fleet:
-    """Every configured engine, in configuration order."""
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    avoid: frozenset[str]
+    future: asyncio.Future[Reservation]
 
-    def __init__(self, specs: Iterable[EngineSpec]) -> None:
+
+class Fleet:
+    """Every configured engine, placement over the admitted ones, and the seat queue."""
+
+    def __init__(
+        self,
+        specs: Iterable[EngineSpec],
+        *,
+        queue_capacity: int = 1024,
+        queue_timeout_s: float = 30.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self.engines = [Engine(spec) for spec in specs]
         self.by_id = {engine.id: engine for engine in self.engines}
+        self.queue_capacity = queue_capacity
+        self.queue_timeout_s = queue_timeout_s
+        self._queue: deque[_Waiter] = deque()
+        self._rng = rng or random.Random()
+        self._waking = False
 
-    def producers(self) -> list[Engine]:
-        return [e for e in self.engines if e.spec.role.can_prefill]
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
 
-    def consumers(self) -> list[Engine]:
-        return [e for e in self.engines if e.spec.role.can_decode]
+    def seats_in_use(self) -> int:
+        return sum(e.prefill_seats + e.decode_seats for e in self.engines)
+
+    def admitted(self, phase: Phase, now: float | None = None) -> list[Engine]:
+        now = _now() if now is None else now
+        return [e for e in self.engines if e.serves(phase) and e.state(now) is EngineState.ADMITTED]
 
     def can_serve(self) -> bool:
-        return bool(self.producers()) and bool(self.consumers())
+        return bool(self.admitted(Phase.PREFILL)) and bool(self.admitted(Phase.DECODE))
 
-    def reserve(self) -> Reservation:
-        """Pick the least-loaded producer, then the least-loaded other consumer.
+    def quarantine(self, engine: Engine, seconds: float) -> None:
+        engine.quarantined_until = max(engine.quarantined_until, _now() + seconds)
 
-        The same engine serves both phases only when no distinct consumer exists.
+    # Placement ---------------------------------------------------------------------
+
+    def try_reserve(self, avoid: frozenset[str] = frozenset()) -> Reservation | None:
+        """Seats on a producer and a consumer now, or None if no pair is free.
+
+        Raises 503 when no admitted engine serves a phase at all. Power of two choices
+        over the load estimate; engines in `avoid` (they failed this request before) only
+        when nothing else has a seat. The same engine serves both phases only when no
+        distinct admitted consumer exists.
         """
-        producers, consumers = self.producers(), self.consumers()
+        now = _now()
+        producers = self.admitted(Phase.PREFILL, now)
+        consumers = self.admitted(Phase.DECODE, now)
         if not producers:
-            raise NarwhalError(503, "no engine is available for prefill", Cause.UNAVAILABLE)
+            raise NarwhalError(503, "no admitted engine can prefill", Cause.UNAVAILABLE)
         if not consumers:
-            raise NarwhalError(503, "no engine is available for decode", Cause.UNAVAILABLE)
-        producer = min(producers, key=_load_key)
-        crossing = [c for c in consumers if c is not producer]
-        consumer = min(crossing or consumers, key=_load_key)
+            raise NarwhalError(503, "no admitted engine can decode", Cause.UNAVAILABLE)
+        producer = self._pick([e for e in producers if e.has_seat(Phase.PREFILL)], avoid)
+        if producer is None:
+            return None
+        distinct = [c for c in consumers if c is not producer]
+        pool = distinct or consumers
+        consumer = self._pick([c for c in pool if c.has_seat(Phase.DECODE)], avoid)
+        if consumer is None:
+            return None
         producer.prefill_seats += 1
         consumer.decode_seats += 1
-        return Reservation(producer, consumer)
+        return Reservation(self, producer, consumer)
+
+    def _pick(self, candidates: list[Engine], avoid: frozenset[str]) -> Engine | None:
+        preferred = [e for e in candidates if e.id not in avoid] or candidates
+        if len(preferred) <= 2:
+            return min(preferred, key=Engine.load, default=None)
+        first, second = self._rng.sample(preferred, 2)
+        return first if first.load() <= second.load() else second
+
+    # Waiting for a seat ------------------------------------------------------------
+
+    async def reserve(self, avoid: frozenset[str] = frozenset()) -> Reservation:
+        """A reservation, waiting in arrival order for up to `queue_timeout_s`.
+
+        The request's own deadline (an enclosing timeout) may end the wait sooner; a
+        waiter that leaves for any reason never keeps a seat.
+        """
+        if not self._queue:
+            reservation = self.try_reserve(avoid)
+            if reservation is not None:
+                return reservation
+        if len(self._queue) >= self.queue_capacity:
+            raise NarwhalError(
+                429,
+                f"the router's queue is full ({self.queue_capacity} requests wait for a seat; "
+                "serving.queue_capacity)",
+                Cause.UNAVAILABLE,
+                retry_after=1,
+            )
+        waiter = _Waiter(avoid, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                return await waiter.future
+        except TimeoutError:
+            self._abandon(waiter)
+            raise NarwhalError(
+                503,
+                f"no seat became free within {self.queue_timeout_s:g} s (serving.queue_timeout_s)",
+                Cause.UNAVAILABLE,
+                retry_after=max(1, math.ceil(self.queue_timeout_s / 10)),
+            ) from None
+        except BaseException:
+            self._abandon(waiter)
+            raise
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A waiter leaves: seats granted to it in the meantime go back."""
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+            return
+        future.cancel()
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+            self.seat_freed()
+
+    def seat_freed(self) -> None:
+        """Grant seats to waiters in arrival order; the head blocks those behind it."""
+        if self._waking:
+            return
+        self._waking = True
+        try:
+            while self._queue:
+                head = self._queue[0]
+                if head.future.done():
+                    self._queue.popleft()
+                    continue
+                try:
+                    reservation = self.try_reserve(head.avoid)
+                except NarwhalError as error:
+                    self._queue.popleft()
+                    head.future.set_exception(error)
+                    continue
+                if reservation is None:
+                    return
+                self._queue.popleft()
+                head.future.set_result(reservation)
+        finally:
+            self._waking = False
 
 
-def _load_key(engine: Engine) -> int:
-    return engine.load
+def _now() -> float:
+    return asyncio.get_running_loop().time()

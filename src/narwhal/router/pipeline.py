@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ from aiohttp import web
 
 from narwhal.config import Config
 from narwhal.engines.client import DecodeStream, EngineClient, new_request_id
-from narwhal.protocol.bodies import Endpoint, parse_client_request
-from narwhal.protocol.errors import Cause, NarwhalError, client_error
+from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
+from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.protocol.sse import classify
 from narwhal.router.assemble import Assembler
-from narwhal.router.fleet import Fleet
+from narwhal.router.budget import RetryBudget
+from narwhal.router.fleet import Fleet, Reservation
 from narwhal.router.journal import Journal
 
 SSE_HEADERS = {
@@ -32,6 +34,16 @@ SSE_HEADERS = {
 }
 DONE_EVENT = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
+
+
+class Stage(StrEnum):
+    """Where a request is; named in deadline errors so the operator knows what was slow."""
+
+    ADMISSION = "reading the request"
+    QUEUED = "waiting for a seat"
+    PREFILL = "waiting for the prefill"
+    DECODE = "waiting for the first token"
+    RELAY = "relaying tokens"
 
 
 @dataclass(slots=True)
@@ -57,6 +69,8 @@ class Call:
     error: str | None = None
     cause: str | None = None
     committed: web.StreamResponse | None = None
+    stage: Stage = Stage.ADMISSION
+    retry_denied: bool = False
 
     def fail(self, error: NarwhalError) -> None:
         self.status, self.error, self.cause = error.status, error.message, error.cause.value
@@ -73,6 +87,7 @@ class Call:
             "crossed": None if self.handoff is None else self.handoff != "same_worker",
             "handoff": self.handoff,
             "attempts": self.attempts,
+            "retry_denied": self.retry_denied,
             "backend_request_ids": self.backend_request_ids,
             "ttft_s": self.ttft_s,
             "first_byte_s": self.first_byte_s,
@@ -102,7 +117,11 @@ class Router:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.fleet = Fleet(config.engines)
+        self.fleet = Fleet(
+            config.engines,
+            queue_capacity=config.serving.queue_capacity,
+            queue_timeout_s=config.serving.queue_timeout_s,
+        )
         timeouts = config.engine
         self.client = EngineClient(
             connect_timeout_s=timeouts.connect_timeout_s,
@@ -110,6 +129,7 @@ class Router:
             first_token_timeout_s=timeouts.first_token_timeout_s,
             decode_read_timeout_s=timeouts.decode_read_timeout_s,
         )
+        self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
         self.in_flight = 0
 
@@ -124,6 +144,7 @@ class Router:
     # The request path --------------------------------------------------------------
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Serve one client request and record its one outcome, on every path."""
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         call = Call(
@@ -142,7 +163,8 @@ class Router:
                 raise NarwhalError(
                     504,
                     "request exceeded its deadline of "
-                    f"{self.config.serving.request_timeout_s:g} s (serving.request_timeout_s)",
+                    f"{self.config.serving.request_timeout_s:g} s (serving.request_timeout_s) "
+                    f"while {call.stage.value}",
                     Cause.DEADLINE,
                 ) from None
             except ConnectionResetError:
@@ -163,44 +185,111 @@ class Router:
             call.endpoint, await _read_body(request), self.config.model
         )
         call.stream = client_request.stream
-        reservation = self.fleet.reserve()
-        producer, consumer = reservation.producer, reservation.consumer
-        call.producer, call.consumer = producer.id, consumer.id
+        reservation, stream = await self._open(call, client_request)
         try:
-            call.attempts += 1
-            backend_id = new_request_id()
-            call.backend_request_ids.append(backend_id)
-            result = await self.client.prefill(
-                producer.url,
-                call.endpoint,
-                client_request.body,
-                same_worker=not reservation.crossed,
-                request_id=backend_id,
-                engine=producer.id,
-            )
-            reservation.release_prefill()
-            now = asyncio.get_running_loop().time()
-            call.ttft_s = now - call.arrival
-            call.prompt_tokens = result.prompt_tokens
-            if not reservation.crossed:
-                call.handoff = "same_worker"
-            else:
-                call.handoff = "crossed" if result.descriptor is not None else "recomputed"
-            stream = await self.client.open_decode(
-                consumer.url,
-                call.endpoint,
-                client_request.body,
-                result,
-                engine=consumer.id,
-                drop_usage=not client_request.include_usage,
-            )
-            call.first_byte_s = asyncio.get_running_loop().time() - call.arrival
             async with stream:
+                call.stage = Stage.RELAY
                 if client_request.stream:
-                    return await _relay(request, call, stream)
-                return _assemble(call, await _collect(stream, call))
+                    response = await _relay(request, call, stream)
+                else:
+                    response = _assemble(call, await _collect(stream, call))
         finally:
             reservation.release()
+        self.budget.on_success()
+        return response
+
+    async def _open(
+        self, call: Call, client_request: ClientRequest
+    ) -> tuple[Reservation, DecodeStream]:
+        """Attempts until one has produced a first token; retries only before any output."""
+        failed_on: set[str] = set()
+        while True:
+            call.stage = Stage.QUEUED
+            reservation = await self.fleet.reserve(frozenset(failed_on))
+            try:
+                return reservation, await self._attempt(call, client_request, reservation)
+            except NarwhalError as error:
+                reservation.release()
+                self._blame(error)
+                if not self._may_retry(call, error):
+                    raise
+                if error.engine is not None:
+                    failed_on.add(error.engine)
+            except BaseException:
+                reservation.release()
+                raise
+
+    async def _attempt(
+        self, call: Call, client_request: ClientRequest, reservation: Reservation
+    ) -> DecodeStream:
+        """One prefill/decode try, up to the decode's first token. Fresh ids, fresh handoff."""
+        loop = asyncio.get_running_loop()
+        producer, consumer = reservation.producer, reservation.consumer
+        call.attempts += 1
+        call.producer, call.consumer = producer.id, consumer.id
+        backend_id = new_request_id()
+        call.backend_request_ids.append(backend_id)
+
+        call.stage = Stage.PREFILL
+        result = await self.client.prefill(
+            producer.url,
+            call.endpoint,
+            client_request.body,
+            same_worker=not reservation.crossed,
+            request_id=backend_id,
+            engine=producer.id,
+        )
+        reservation.release_prefill()
+        call.ttft_s = loop.time() - call.arrival
+        call.prompt_tokens = result.prompt_tokens
+        if not reservation.crossed:
+            call.handoff = "same_worker"
+        elif result.descriptor is None:
+            call.handoff = "recomputed"
+        else:
+            call.handoff = "crossed"
+            age, bound = result.age(loop.time()), self.config.handoff_bound_s
+            if age > bound:
+                raise engine_error(
+                    Cause.HANDOFF_EXPIRED,
+                    f"handoff expired: the descriptor from engine {producer.id} was "
+                    f"{age:.1f} s old, past the {bound:g} s bound (engine.kv_lease_s less "
+                    "a sixth); its decode was not sent",
+                    producer.id,
+                )
+
+        call.stage = Stage.DECODE
+        stream = await self.client.open_decode(
+            consumer.url,
+            call.endpoint,
+            client_request.body,
+            result,
+            engine=consumer.id,
+            drop_usage=not client_request.include_usage,
+        )
+        call.first_byte_s = loop.time() - call.arrival
+        return stream
+
+    def _blame(self, error: NarwhalError) -> None:
+        """Quarantine an engine whose leg failed by its own fault (never for a client 4xx)."""
+        seconds = self.config.recovery.failure_quarantine_s
+        engine = self.fleet.by_id.get(error.engine or "")
+        if engine is None or not error.is_engine_fault:
+            return
+        engine.failures[error.cause.value] = engine.failures.get(error.cause.value, 0) + 1
+        if seconds > 0 and error.cause is not Cause.HANDOFF_EXPIRED:
+            self.fleet.quarantine(engine, seconds)
+
+    def _may_retry(self, call: Call, error: NarwhalError) -> bool:
+        """Transient, attempts left, deadline not passed, and the budget has credit."""
+        if not error.transient or call.attempts >= self.config.serving.max_attempts:
+            return False
+        if asyncio.get_running_loop().time() >= call.deadline:
+            return False
+        if not self.budget.try_spend():
+            call.retry_denied = True
+            return False
+        return True
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -263,7 +352,7 @@ async def _answer_error(
             status=error.status,
             body=error.json(),
             content_type="application/json",
-            headers={"X-Request-Id": call.request_id},
+            headers={"X-Request-Id": call.request_id, **error.headers()},
         )
     try:
         await call.committed.write(error.sse_event())
