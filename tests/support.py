@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
 from narwhal.sim.engine import SimEngine
+from narwhal.sim.faults import Fault
 from narwhal.sim.fleet import SimFleet
 from narwhal.sim.options import SimOptions
 
@@ -136,3 +137,36 @@ def sse_payloads(text: str) -> list[dict[str, Any]]:
         if block.startswith("data: ") and block != "data: [DONE]":
             payloads.append(orjson.loads(block[6:]))
     return payloads
+
+
+def arm(engine: SimEngine, **fault: Any) -> None:
+    """Arm a fault on an engine, exactly as `POST /sim/faults` would."""
+    engine.set_fault(Fault.from_json(fault))
+
+
+async def settled(stack: Stack) -> dict[str, Any]:
+    """The router's state once nothing is in flight; asserts nothing leaked."""
+    state: dict[str, Any] = {}
+    for _ in range(200):
+        async with stack.http.get(stack.url + "/narwhal/state") as response:
+            state = await response.json()
+        busy = any(e.running_count() for e in stack.fleet.engines)
+        if not state["in_flight"] and not state["open_engine_legs"] and not busy:
+            break
+        await asyncio.sleep(0.01)
+    assert state["in_flight"] == 0 and state["queued"] == 0
+    assert state["open_engine_legs"] == 0
+    for engine in state["engines"]:
+        assert engine["seats"]["prefill"]["in_use"] == 0, engine
+        assert engine["seats"]["decode"]["in_use"] == 0, engine
+    assert all(e.running_count() == 0 for e in stack.fleet.engines)
+    return state
+
+
+def terminal_error(text: str) -> dict[str, Any]:
+    """The error object that ends a committed stream (it must be the last event)."""
+    payloads = sse_payloads(text)
+    assert payloads and "error" in payloads[-1], text
+    assert text.endswith("data: [DONE]\n\n")
+    error: dict[str, Any] = payloads[-1]["error"]
+    return error

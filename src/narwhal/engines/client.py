@@ -78,6 +78,8 @@ class EngineClient:
         self.decode_read_timeout_s = decode_read_timeout_s
         self._headers = {"Content-Type": "application/json", **(headers or {})}
         self._session: aiohttp.ClientSession | None = None
+        # Legs under way: a prefill awaiting its answer or a decode stream not yet closed.
+        self.open_legs = 0
 
     async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(
@@ -132,6 +134,7 @@ class EngineClient:
         request_id = request_id or new_request_id()
         started_at = asyncio.get_running_loop().time()
         data = prefill_body(body, crossed=not same_worker)
+        self.open_legs += 1
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
                 async with self._post(producer_url + endpoint, data, request_id) as response:
@@ -147,6 +150,8 @@ class EngineClient:
                 f"prefill on engine {name} did not answer within {self.prefill_timeout_s:g} s",
                 name,
             ) from None
+        finally:
+            self.open_legs -= 1
         descriptor, prompt_tokens = _parse_prefill_answer(raw, name)
         return PrefillResult(
             producer_url=producer_url,
@@ -179,6 +184,7 @@ class EngineClient:
         name = engine or consumer_url
         descriptor = self._checked_descriptor(consumer_url, endpoint, result, connector)
         data = decode_body(body, descriptor)
+        self.open_legs += 1
         response: aiohttp.ClientResponse | None = None
         decoder = SseDecoder()
         held: list[SseEvent] = []
@@ -211,10 +217,12 @@ class EngineClient:
                                 first=held,
                                 backlog=events[index + 1 :],
                                 drop_usage=drop_usage,
+                                on_close=self._leg_closed,
                             )
                         if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
                             held.append(event)
         except aiohttp.ClientError as exc:
+            self._leg_closed()
             _close(response)
             if response is None:
                 raise _transport_error(exc, name, "decode") from None
@@ -224,6 +232,7 @@ class EngineClient:
                 name,
             ) from None
         except TimeoutError:
+            self._leg_closed()
             _close(response)
             raise engine_error(
                 Cause.FIRST_TOKEN_TIMEOUT,
@@ -232,8 +241,12 @@ class EngineClient:
                 name,
             ) from None
         except BaseException:
+            self._leg_closed()
             _close(response)
             raise
+
+    def _leg_closed(self) -> None:
+        self.open_legs -= 1
 
     def _checked_descriptor(
         self, consumer_url: str, endpoint: str, result: PrefillResult, connector: str
@@ -288,6 +301,7 @@ class DecodeStream:
         first: list[SseEvent],
         backlog: list[SseEvent],
         drop_usage: bool,
+        on_close: Callable[[], None],
     ) -> None:
         self.engine = engine
         self.usage: dict[str, Any] | None = None
@@ -297,6 +311,7 @@ class DecodeStream:
         self._first: list[SseEvent] | None = first
         self._backlog = backlog
         self._drop_usage = drop_usage
+        self._on_close: Callable[[], None] | None = on_close
         self._watchdog = (
             _Watchdog(asyncio.get_running_loop(), read_timeout_s, response.close)
             if read_timeout_s
@@ -317,6 +332,9 @@ class DecodeStream:
             self._response.release()
         else:
             self._response.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def __aiter__(self) -> Self:
         return self

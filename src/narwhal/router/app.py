@@ -7,6 +7,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 from aiohttp import web
 
 from narwhal.config import Config
@@ -62,6 +63,9 @@ def build_app(router: Router) -> web.Application:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
+    async def state(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=orjson.dumps(router.state()), content_type="application/json")
+
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         await router.start()
         yield
@@ -71,6 +75,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post(Endpoint.CHAT.value, chat)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/narwhal/state", state)
     app.cleanup_ctx.append(lifespan)
     return app
 

@@ -141,6 +141,44 @@ class Router:
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
 
+    def state(self) -> dict[str, Any]:
+        """What `/narwhal/state` shows: each engine's standing and seats, queue and budget."""
+        now = asyncio.get_running_loop().time()
+        return {
+            "model": self.config.model,
+            "in_flight": self.in_flight,
+            "queued": self.fleet.queued,
+            "queue_capacity": self.fleet.queue_capacity,
+            "open_engine_legs": self.client.open_legs,
+            "retry_budget": {
+                "credit": round(self.budget.credit, 3),
+                "size": self.budget.initial,
+                "spent": self.budget.spent,
+                "denied": self.budget.denied,
+            },
+            "engines": [
+                {
+                    "id": engine.id,
+                    "url": engine.url,
+                    "role": engine.spec.role.value,
+                    "state": engine.state(now).value,
+                    "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
+                    "seats": {
+                        "prefill": {
+                            "in_use": engine.prefill_seats,
+                            "limit": engine.spec.max_prefill_seats,
+                        },
+                        "decode": {
+                            "in_use": engine.decode_seats,
+                            "limit": engine.spec.max_decode_seats,
+                        },
+                    },
+                    "failures": dict(engine.failures),
+                }
+                for engine in self.fleet.engines
+            ],
+        }
+
     # The request path --------------------------------------------------------------
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:

@@ -13,9 +13,7 @@ async def run_serve(path: Path, host: str | None, port: int | None) -> int:
     try:
         config = load_config(path)
     except ConfigError as error:
-        print(f"{path}: {len(error.problems)} problem(s)", file=sys.stderr)
-        for problem in error.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print(error.report(), file=sys.stderr)
         return 2
     server = RouterServer(config, host, port)
     await server.start()
