@@ -67,8 +67,8 @@ class SimOptions:
         _require(self, "faults", self.faults_enabled or not self.faults, "need faults_enabled")
 
     @property
-    def advertised_side_channel_host(self) -> str:
-        """The host put in descriptors, like VLLM_NIXL_SIDE_CHANNEL_HOST."""
+    def resolved_side_channel_host(self) -> str:
+        """The side channel's host, bound and put in descriptors (VLLM_NIXL_SIDE_CHANNEL_HOST)."""
         return self.side_channel_host or self.host
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from narwhal import runtime
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.options import SimOptions, options_from_args
 
@@ -22,12 +23,7 @@ def run_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"narwhal sim: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(_serve(options))
-    else:
-        uvloop.run(_serve(options))
+    runtime.run(_serve(options))
     return 0
 
 
@@ -36,7 +32,7 @@ async def _serve(options: SimOptions) -> None:
     await engine.start()
     print(
         f"narwhal sim {options.name} listening on {engine.url} "
-        f"(side channel {options.advertised_side_channel_host}:{engine.side_channel_port})",
+        f"(side channel {options.resolved_side_channel_host}:{engine.side_channel_port})",
         flush=True,
     )
     stopped = asyncio.Event()
