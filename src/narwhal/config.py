@@ -700,16 +700,6 @@ def _check_timeouts(config: Config, problems: _Problems) -> None:
             problems.add(
                 path, f"must not exceed serving.request_timeout_s ({request:g}), got {value:g}"
             )
-    bound = config.handoff_bound_s
-    if engine.prefill_timeout_s >= bound and not problems.failed(
-        "engine.prefill_timeout_s", "engine.kv_lease_s"
-    ):
-        # A prefill allowed to run that long would hand off blocks its producer is freeing.
-        problems.add(
-            "engine.prefill_timeout_s",
-            f"must be below the handoff bound ({bound:g}: engine.kv_lease_s "
-            f"{engine.kv_lease_s:g} less a sixth), got {engine.prefill_timeout_s:g}",
-        )
 
 
 def _check_engines(
