@@ -11,7 +11,7 @@ import asyncio
 import math
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -41,7 +41,15 @@ class Engine:
     ejected: bool = False
     # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
     reported_waiting: float = 0.0
+    # Leg failures by cause (`Cause` values), since start.
     failures: dict[str, int] = field(default_factory=dict)
+    # Breaker: consecutive stream failures, and why the engine was last ejected.
+    streak: int = 0
+    ejection_reason: str | None = None
+    ejections: int = 0
+    quarantines: int = 0
+    # Readmission probes by result: "success", "failure", "inconclusive".
+    probes: dict[str, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -80,6 +88,19 @@ class Engine:
 
 def _fraction(used: int, limit: int) -> float:
     return used / limit if limit else float(used)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """A change in an engine's standing, for the journal, metrics and logs."""
+
+    kind: str  # "quarantined", "ejected", "probe", "readmitted"
+    engine: str
+    detail: str = ""
+    result: str | None = None  # probes: "success", "failure", "inconclusive"
+
+
+EventListener = Callable[[EngineEvent], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -141,6 +162,11 @@ class Fleet:
         self._queue: deque[_Waiter] = deque()
         self._rng = rng or random.Random()
         self._waking = False
+        self.listeners: list[EventListener] = []
+
+    def emit(self, event: EngineEvent) -> None:
+        for listener in self.listeners:
+            listener(event)
 
     @property
     def queued(self) -> int:
@@ -156,8 +182,10 @@ class Fleet:
     def can_serve(self) -> bool:
         return bool(self.admitted(Phase.PREFILL)) and bool(self.admitted(Phase.DECODE))
 
-    def quarantine(self, engine: Engine, seconds: float) -> None:
+    def quarantine(self, engine: Engine, seconds: float, reason: str) -> None:
         engine.quarantined_until = max(engine.quarantined_until, _now() + seconds)
+        engine.quarantines += 1
+        self.emit(EngineEvent("quarantined", engine.id, f"{seconds:g} s after {reason}"))
 
     # Placement ---------------------------------------------------------------------
 

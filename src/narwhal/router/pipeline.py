@@ -316,7 +316,7 @@ class Router:
             return
         engine.failures[error.cause.value] = engine.failures.get(error.cause.value, 0) + 1
         if seconds > 0 and error.cause is not Cause.HANDOFF_EXPIRED:
-            self.fleet.quarantine(engine, seconds)
+            self.fleet.quarantine(engine, seconds, error.cause.value)
 
     def _may_retry(self, call: Call, error: NarwhalError) -> bool:
         """Transient, attempts left, deadline not passed, and the budget has credit."""
