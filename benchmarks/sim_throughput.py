@@ -5,7 +5,9 @@ comes from a separate process so the client's parsing does not share the engine'
 Later benchmarks measure the router against this engine, so it has to be much faster
 than the router: the target is 20,000 tokens/s in total across 64 streams.
 
-    .venv/bin/python benchmarks/sim_throughput.py [--streams 64] [--tokens 512] [--rounds 5]
+    .venv/bin/python benchmarks/sim_throughput.py [--streams 64] [--tokens 512] [--rounds 10]
+
+Exits non-zero when the total falls short of the target.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,6 +27,8 @@ import uvloop
 
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.options import SimOptions
+
+TARGET_TOKENS_PER_S = 20_000
 
 PROMPT = "Count the narwhals in the fjord and tell me a long story about each of them."
 
@@ -73,7 +78,8 @@ def _load_process(url: str, streams: int, tokens: int, rounds: int, pipe: Connec
     pipe.send(uvloop.run(_load(url, streams, tokens, rounds)))
 
 
-async def _bench(streams: int, tokens: int, rounds: int) -> None:
+async def _bench(streams: int, tokens: int, rounds: int) -> float:
+    """Run the load against a fresh engine; returns total tokens/s."""
     options = SimOptions(
         inter_token_s=0.0,
         prefill_s_per_token=0.0,
@@ -108,15 +114,19 @@ async def _bench(streams: int, tokens: int, rounds: int) -> None:
         f"{total_tokens / total_seconds:,.0f} tokens/s relayed; engine process CPU "
         f"{engine_cpu:.2f} s ({total_tokens / engine_cpu:,.0f} tokens per CPU second)"
     )
+    return total_tokens / total_seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    uvloop.run(_bench(args.streams, args.tokens, args.rounds))
+    tokens_per_s = uvloop.run(_bench(args.streams, args.tokens, args.rounds))
+    met = tokens_per_s >= TARGET_TOKENS_PER_S
+    print(f"target {TARGET_TOKENS_PER_S:,} tokens/s: {'met' if met else 'NOT met'}")
+    sys.exit(0 if met else 1)
 
 
 if __name__ == "__main__":

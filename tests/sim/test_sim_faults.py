@@ -12,6 +12,7 @@ import pytest
 
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.sim.options import SimOptions
 
 if TYPE_CHECKING:
     from conftest import Sim
@@ -372,3 +373,11 @@ async def test_pinned_engine_id_survives_a_restart(sim: Sim) -> None:
     engine = await sim.start(engine_id="pinned")
     await engine.restart()
     assert engine.engine_id == "pinned"
+
+
+async def test_fault_set_before_start_stays_armed(sim: Sim) -> None:
+    engine = SimEngine(SimOptions(faults_enabled=True, inter_token_s=0.0))
+    sim.engines.append(engine)
+    engine.set_fault(Fault(status=503))
+    await engine.start()
+    assert (await sim.post(engine, COMPLETIONS, BODY))[0] == 503

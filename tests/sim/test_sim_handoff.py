@@ -242,3 +242,14 @@ async def test_crash_drops_held_blocks(sim: Sim) -> None:
     assert producer.held_block_count() > 0
     await producer.crash()
     assert producer.held_block_count() == 0
+
+
+async def test_a_prefill_aborted_before_it_answers_holds_nothing(sim: Sim) -> None:
+    producer = await sim.start(prefill_s_per_token=0.005)  # ~0.25 s of prefill
+    prefill = asyncio.create_task(_prefill(sim, producer, *COMPLETION))
+    await sim.until(lambda: producer.running_count() == 1)
+    prefill.cancel()
+    await sim.until(lambda: producer.running_count() == 0)
+    await asyncio.sleep(0.3)
+    assert producer.held_block_count() == 0
+    assert producer.waiting_count() == 0

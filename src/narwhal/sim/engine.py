@@ -95,7 +95,10 @@ class SimEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start serving HTTP and the side channel (free ports when configured as 0)."""
+        """Start serving HTTP and the side channel (free ports when configured as 0).
+
+        Faults armed before `start` stay armed; only `restart` makes a new engine identity.
+        """
         if self._runner is None:
             self._runner = web.AppRunner(
                 self._app(),
@@ -105,7 +108,6 @@ class SimEngine:
                 keepalive_timeout=KEEPALIVE_TIMEOUT_S,
             )
             await self._runner.setup()
-        self._launch = self._new_launch()
         self._side_channel_port = await self._side_channel.listen(
             self.options.resolved_side_channel_host, self._side_channel_port
         )
@@ -127,6 +129,7 @@ class SimEngine:
     async def restart(self) -> None:
         """Come back on the same ports as a new process (new engine id and start time)."""
         await self.crash()
+        self._launch = self._new_launch()
         await self.start()
 
     @property
@@ -556,7 +559,7 @@ class SimEngine:
             lines += [
                 f"# HELP {name} {help_text}",
                 f"# TYPE {name} gauge",
-                f"{name}{labels} {value}",
+                f"{name}{labels} {float(value)}",
             ]
         lines += [
             "# HELP process_start_time_seconds Start time of the process since unix epoch.",
