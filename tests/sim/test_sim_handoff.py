@@ -12,7 +12,7 @@ from narwhal.sim.engine import SimEngine
 from narwhal.sim.model import tokenize
 
 if TYPE_CHECKING:
-    from conftest import Sim, Stream
+    from sim.conftest import Sim, Stream
 
 PROMPT = "A narwhal's tusk is a tooth that grows through its upper lip, " * 3
 PREFILL_PARAMS = {

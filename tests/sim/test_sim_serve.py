@@ -18,7 +18,7 @@ from narwhal.sim.options import SimOptions
 from narwhal.sim.serve import CRASH_EXIT_CODE
 
 if TYPE_CHECKING:
-    from conftest import Sim
+    from sim.conftest import Sim
 
 LISTENING = re.compile(rb"narwhal sim (\S+) listening on (http://\S+) \(side channel (\S+)\)")
 

@@ -78,7 +78,7 @@ class _Launch:
 class SimEngine:
     """A vLLM-compatible engine with the NixlConnector's KV handoff, in this event loop."""
 
-    def __init__(self, options: SimOptions, *, on_crash: Callable[[], None] | None = None):
+    def __init__(self, options: SimOptions, *, on_crash: Callable[[], None] | None = None) -> None:
         """`on_crash` replaces the in-process crash for the `crash` fault (a CLI exits)."""
         self.options = options
         self._on_crash = on_crash

@@ -33,22 +33,22 @@ class Fault:
     """One way to misbehave. Token counts (`*_after`) count generated tokens."""
 
     phase: Phase = "any"
-    times: int | None = None
-    status: int | None = None
-    hang_s: float = 0.0
-    first_token_delay_s: float = 0.0
-    silence_after: int | None = None
+    times: int | None = None  # fire on this many requests, then disarm (None: until cleared)
+    status: int | None = None  # answer this HTTP error status
+    hang_s: float = 0.0  # wait before the response headers
+    first_token_delay_s: float = 0.0  # wait after the prompt, before the first token
+    silence_after: int | None = None  # after K tokens go quiet for silence_s ...
     silence_s: float = 0.0
-    silence_metadata: bool = False
-    close_after: int | None = None
-    done_before_token: bool = False
-    error_after: int | None = None
-    error_code: int = 500
-    descriptor: DescriptorFault | None = None
-    kv_pull_delay_s: float = 0.0
-    kv_pull_fail: bool = False
-    refuse_s: float = 0.0
-    crash: bool = False
+    silence_metadata: bool = False  # ... still sending metadata-only chunks
+    close_after: int | None = None  # after K tokens cut the connection, no [DONE]
+    done_before_token: bool = False  # a stream sends [DONE] before any token
+    error_after: int | None = None  # after K tokens an error object (or status) ...
+    error_code: int = 500  # ... with this code
+    descriptor: DescriptorFault | None = None  # a prefill answers this bad descriptor
+    kv_pull_delay_s: float = 0.0  # a decode's KV pull is this much slower
+    kv_pull_fail: bool = False  # a decode's KV pull fails
+    refuse_s: float = 0.0  # drop the request and stop accepting connections this long
+    crash: bool = False  # die: exit the process, or drop everything in-process
 
     @classmethod
     def from_json(cls, value: object) -> Fault:

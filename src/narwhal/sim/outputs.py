@@ -61,7 +61,9 @@ class SseOutput:
 
     streaming = True
 
-    def __init__(self, request: web.Request, inference: InferenceRequest, encoder: StreamEncoder):
+    def __init__(
+        self, request: web.Request, inference: InferenceRequest, encoder: StreamEncoder
+    ) -> None:
         self._request = request
         self._inference = inference
         self._encoder = encoder
