@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
+from narwhal.engines.gaps import TokenGaps
 from narwhal.protocol.bodies import decode_body, prefill_body
 from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
@@ -80,6 +81,8 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         # Legs under way: a prefill awaiting its answer or a decode stream not yet closed.
         self.open_legs = 0
+        # Gaps between reads of every decode stream past its first token, for metrics.
+        self.gaps = TokenGaps()
 
     async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(
@@ -218,6 +221,7 @@ class EngineClient:
                                 backlog=events[index + 1 :],
                                 drop_usage=drop_usage,
                                 on_close=self._leg_closed,
+                                gaps=self.gaps,
                             )
                         if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
                             held.append(event)
@@ -288,7 +292,8 @@ class DecodeStream:
 
     Iterating yields, per transport read, the events to forward (never `[DONE]` or an
     error object). Silence between reads longer than `read_timeout_s` (0 = unbounded)
-    ends the stream with a 504; the watchdog costs one clock read per chunk.
+    ends the stream with a 504. One clock read per chunk serves the watchdog and the gap
+    count (`gaps`, shared by the client's streams; the first gap starts at the first token).
     """
 
     def __init__(
@@ -302,6 +307,7 @@ class DecodeStream:
         backlog: list[SseEvent],
         drop_usage: bool,
         on_close: Callable[[], None],
+        gaps: TokenGaps,
     ) -> None:
         self.engine = engine
         self.usage: dict[str, Any] | None = None
@@ -312,10 +318,11 @@ class DecodeStream:
         self._backlog = backlog
         self._drop_usage = drop_usage
         self._on_close: Callable[[], None] | None = on_close
+        self._gaps = gaps
+        self._loop = asyncio.get_running_loop()
+        self._last_read = self._loop.time()
         self._watchdog = (
-            _Watchdog(asyncio.get_running_loop(), read_timeout_s, response.close)
-            if read_timeout_s
-            else None
+            _Watchdog(self._loop, read_timeout_s, response.close) if read_timeout_s else None
         )
 
     async def __aenter__(self) -> Self:
@@ -349,8 +356,11 @@ class DecodeStream:
                 return events
         while not self.done:
             chunk = await self._read()
+            now = self._loop.time()
+            self._gaps.add(now - self._last_read)
+            self._last_read = now
             if self._watchdog is not None:
-                self._watchdog.last = self._watchdog.loop.time()
+                self._watchdog.last = now
             try:
                 events = self._decide(self._decoder.feed(chunk))
             except SseError as exc:

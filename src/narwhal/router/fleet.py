@@ -23,6 +23,8 @@ class EngineState(StrEnum):
     ADMITTED = "admitted"
     QUARANTINED = "quarantined"
     EJECTED = "ejected"
+    # Passed readmission; waits for the rest of its restart wave.
+    HELD = "held"
 
 
 class Phase(StrEnum):
@@ -39,6 +41,7 @@ class Engine:
     decode_seats: int = 0
     quarantined_until: float = 0.0
     ejected: bool = False
+    held: bool = False
     # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
     reported_waiting: float = 0.0
     # Leg failures by cause (`Cause` values), since start.
@@ -46,6 +49,8 @@ class Engine:
     # Breaker: consecutive stream failures, and why the engine was last ejected.
     streak: int = 0
     ejection_reason: str | None = None
+    # After a crossed decode failure: the producer whose handoff the probe should reuse.
+    probe_producer: str | None = None
     ejections: int = 0
     quarantines: int = 0
     # Readmission probes by result: "success", "failure", "inconclusive".
@@ -61,7 +66,7 @@ class Engine:
 
     def state(self, now: float) -> EngineState:
         if self.ejected:
-            return EngineState.EJECTED
+            return EngineState.HELD if self.held else EngineState.EJECTED
         if now < self.quarantined_until:
             return EngineState.QUARANTINED
         return EngineState.ADMITTED

@@ -8,6 +8,7 @@ connections end with it on every path, and it records exactly one outcome.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,9 +24,11 @@ from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_reques
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.protocol.sse import classify
 from narwhal.router.assemble import Assembler
+from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.fleet import Fleet, Reservation
 from narwhal.router.journal import Journal
+from narwhal.router.readmission import Readmission
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -130,14 +133,22 @@ class Router:
             decode_read_timeout_s=timeouts.decode_read_timeout_s,
         )
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
+        self.breaker = Breaker(self.fleet, config.recovery.eject_after)
+        self.readmission = Readmission(config, self.fleet, self.client)
+        self._readmitting: asyncio.Task[None] | None = None
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
         self.in_flight = 0
 
     async def start(self) -> None:
         await self.client.__aenter__()
         self.journal.start()
+        self._readmitting = asyncio.create_task(self.readmission.run(), name="readmission")
 
     async def stop(self) -> None:
+        if self._readmitting is not None:
+            self._readmitting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._readmitting
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
 
@@ -163,6 +174,10 @@ class Router:
                     "role": engine.spec.role.value,
                     "state": engine.state(now).value,
                     "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
+                    "streak": engine.streak,
+                    "ejection_reason": engine.ejection_reason if engine.ejected else None,
+                    "ejections": engine.ejections,
+                    "probes": dict(engine.probes),
                     "seats": {
                         "prefill": {
                             "in_use": engine.prefill_seats,
@@ -231,8 +246,12 @@ class Router:
                     response = await _relay(request, call, stream)
                 else:
                     response = _assemble(call, await _collect(stream, call))
+        except NarwhalError as error:
+            self._blame(error, reservation)
+            raise
         finally:
             reservation.release()
+        self.breaker.success(reservation.consumer.id)
         self.budget.on_success()
         return response
 
@@ -248,7 +267,7 @@ class Router:
                 return reservation, await self._attempt(call, client_request, reservation)
             except NarwhalError as error:
                 reservation.release()
-                self._blame(error)
+                self._blame(error, reservation)
                 if not self._may_retry(call, error):
                     raise
                 if error.engine is not None:
@@ -278,6 +297,7 @@ class Router:
             engine=producer.id,
         )
         reservation.release_prefill()
+        self.breaker.success(producer.id)
         call.ttft_s = loop.time() - call.arrival
         call.prompt_tokens = result.prompt_tokens
         if not reservation.crossed:
@@ -308,14 +328,21 @@ class Router:
         call.first_byte_s = loop.time() - call.arrival
         return stream
 
-    def _blame(self, error: NarwhalError) -> None:
-        """Quarantine an engine whose leg failed by its own fault (never for a client 4xx)."""
-        seconds = self.config.recovery.failure_quarantine_s
+    def _blame(self, error: NarwhalError, reservation: Reservation) -> None:
+        """Count an engine's own fault against it: failures, breaker, quarantine.
+
+        A client's 4xx never counts. A crossed decode's failure remembers its producer,
+        so that readmission can probe the same pairing.
+        """
         engine = self.fleet.by_id.get(error.engine or "")
         if engine is None or not error.is_engine_fault:
             return
         engine.failures[error.cause.value] = engine.failures.get(error.cause.value, 0) + 1
-        if seconds > 0 and error.cause is not Cause.HANDOFF_EXPIRED:
+        crossed_decode = reservation.crossed and engine is reservation.consumer
+        producer = reservation.producer.id if crossed_decode else None
+        self.breaker.failure(error, producer=producer)
+        seconds = self.config.recovery.failure_quarantine_s
+        if seconds > 0 and error.cause is not Cause.HANDOFF_EXPIRED and not engine.ejected:
             self.fleet.quarantine(engine, seconds, error.cause.value)
 
     def _may_retry(self, call: Call, error: NarwhalError) -> bool:

@@ -1,0 +1,205 @@
+"""Readmission: an ejected engine returns only after it demonstrably works again.
+
+Every `recovery.readmit_interval_s`, each ejected engine is judged in order:
+1. `/health` answers 200 within `engine.health_timeout_s`;
+2. with `[engine_contract]`, its identity is re-read and must meet the contract (an engine
+   restarted with the same contract may return; one that no longer matches stays out, and
+   the mismatch becomes its visible ejection reason);
+3. a probe: a real tiny handoff, each leg bounded by `engine.first_token_timeout_s`. An
+   engine ejected as the consumer of a crossed decode is probed with a fresh handoff from
+   that same producer; otherwise the probe exercises the roles the engine serves (its own
+   prefill and decode for `both`, else paired with an admitted partner).
+
+A probe that cannot be run or judged is inconclusive (neither success nor failure): the
+partner it needs is not admitted, has no free seat, or the partner's own leg failed.
+
+With `recovery.restart_policy = "whole_wave"`, engines ejected together return together.
+A wave opens at an ejection when no wave is open; every engine ejected while it is open
+joins it. A member that passes readmission is held (state `held`) until every member has
+passed; then all re-enter placement at once and the wave closes. So that one dead member
+cannot keep the fleet out of service, held members are released early whenever a phase
+they serve has no admitted engine left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from narwhal.config import Config, RestartPolicy
+from narwhal.engines.client import EngineClient
+from narwhal.engines.identity import IdentityError, contract_mismatches, read_identity
+from narwhal.engines.probe import probe_transfer
+from narwhal.protocol.errors import NarwhalError
+from narwhal.router.fleet import Engine, EngineEvent, EngineState, Fleet, Phase
+
+log = logging.getLogger("narwhal.readmission")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    result: str  # "success", "failure" or "inconclusive"
+    detail: str
+
+
+SUCCESS, FAILURE, INCONCLUSIVE = "success", "failure", "inconclusive"
+
+
+class Readmission:
+    """Judges ejected engines on a timer and lets back the ones that pass."""
+
+    def __init__(self, config: Config, fleet: Fleet, client: EngineClient) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.client = client
+        self.whole_wave = config.recovery.restart_policy is RestartPolicy.WHOLE_WAVE
+        self.wave: set[str] = set()
+        self.passed: set[str] = set()
+        fleet.listeners.append(self._on_event)
+
+    def _on_event(self, event: EngineEvent) -> None:
+        if event.kind == "ejected" and self.whole_wave:
+            self.wave.add(event.engine)
+
+    async def run(self) -> None:
+        """The readmission timer; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.recovery.readmit_interval_s)
+            await self.tick()
+
+    async def tick(self) -> None:
+        """Judge every ejected engine that is not already held, concurrently."""
+        engines = [e for e in self.fleet.engines if e.ejected and not e.held]
+        if engines:
+            async with asyncio.TaskGroup() as group:
+                for engine in engines:
+                    group.create_task(self._judge_and_act(engine))
+        self._release_held_if_needed()
+
+    async def _judge_and_act(self, engine: Engine) -> None:
+        verdict = await self.judge(engine)
+        engine.probes[verdict.result] = engine.probes.get(verdict.result, 0) + 1
+        self.fleet.emit(EngineEvent("probe", engine.id, verdict.detail, verdict.result))
+        if verdict.result == SUCCESS:
+            self._passed(engine)
+        elif verdict.result == FAILURE and verdict.detail.startswith("contract"):
+            engine.ejection_reason = verdict.detail
+
+    async def judge(self, engine: Engine) -> Verdict:
+        timeouts = self.config.engine
+        try:
+            async with asyncio.timeout(timeouts.health_timeout_s):
+                async with self.client.session.get(engine.url + "/health") as response:
+                    if response.status != 200:
+                        return Verdict(FAILURE, f"/health answered HTTP {response.status}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return Verdict(FAILURE, f"/health failed: {exc or 'timed out'}")
+        contract = self.config.engine_contract
+        if contract is not None:
+            try:
+                identity = await read_identity(
+                    self.client.session, engine.spec, timeouts.health_timeout_s
+                )
+            except IdentityError as exc:
+                return Verdict(FAILURE, f"contract: {exc}")
+            mismatches = contract_mismatches(identity, contract)
+            if mismatches:
+                return Verdict(FAILURE, "contract mismatch: " + "; ".join(mismatches))
+        return await self._probe(engine)
+
+    async def _probe(self, engine: Engine) -> Verdict:
+        pairing = self._pairing(engine)
+        if isinstance(pairing, Verdict):
+            return pairing
+        producer, consumer = pairing
+        partner = consumer if producer is engine else producer
+        seated = partner is not engine
+        if seated:
+            phase = Phase.DECODE if partner is consumer else Phase.PREFILL
+            if not partner.has_seat(phase):
+                return Verdict(INCONCLUSIVE, f"partner {partner.id} has no free seat")
+            _take_seat(partner, phase, +1)
+        try:
+            await probe_transfer(
+                self.client,
+                self.config.model,
+                producer.spec,
+                consumer.spec,
+                self.config.engine.first_token_timeout_s,
+            )
+        except NarwhalError as error:
+            if error.engine != engine.id:
+                return Verdict(INCONCLUSIVE, f"partner failed: {error.message}")
+            return Verdict(FAILURE, f"probe failed: {error.message}")
+        finally:
+            if seated:
+                _take_seat(partner, phase, -1)
+                self.fleet.seat_freed()
+        return Verdict(SUCCESS, f"probe {producer.id} -> {consumer.id} succeeded")
+
+    def _pairing(self, engine: Engine) -> tuple[Engine, Engine] | Verdict:
+        """(producer, consumer) for this engine's probe, or an inconclusive verdict."""
+        role = engine.spec.role
+        original = self.fleet.by_id.get(engine.probe_producer or "")
+        if original is not None and role.can_decode:
+            if original.state(_now()) is not EngineState.ADMITTED:
+                return Verdict(INCONCLUSIVE, f"original producer {original.id} is not admitted")
+            return original, engine
+        if role.can_prefill and role.can_decode:
+            return engine, engine
+        if role.can_prefill:
+            consumers = self.fleet.admitted(Phase.DECODE)
+            if not consumers:
+                return Verdict(INCONCLUSIVE, "no admitted consumer to decode the probe")
+            return engine, min(consumers, key=Engine.load)
+        producers = self.fleet.admitted(Phase.PREFILL)
+        if not producers:
+            return Verdict(INCONCLUSIVE, "no admitted producer to prefill the probe")
+        return min(producers, key=Engine.load), engine
+
+    def _passed(self, engine: Engine) -> None:
+        if not self.whole_wave or engine.id not in self.wave:
+            self._readmit(engine)
+            return
+        self.passed.add(engine.id)
+        engine.held = True
+        if self.passed >= self.wave:
+            for member in sorted(self.wave):
+                self._readmit(self.fleet.by_id[member])
+            self.wave.clear()
+            self.passed.clear()
+
+    def _release_held_if_needed(self) -> None:
+        """Held members go back early when a phase they serve has no admitted engine."""
+        held = [self.fleet.by_id[i] for i in sorted(self.passed)]
+        for phase in Phase:
+            if self.fleet.admitted(phase):
+                continue
+            for engine in held:
+                if engine.serves(phase) and engine.held:
+                    log.warning("releasing held engine %s: no admitted %s engine", engine.id, phase)
+                    self.wave.discard(engine.id)
+                    self.passed.discard(engine.id)
+                    self._readmit(engine)
+
+    def _readmit(self, engine: Engine) -> None:
+        engine.ejected = False
+        engine.held = False
+        engine.streak = 0
+        engine.probe_producer = None
+        self.fleet.emit(EngineEvent("readmitted", engine.id))
+        self.fleet.seat_freed()
+
+
+def _take_seat(engine: Engine, phase: Phase, delta: int) -> None:
+    if phase is Phase.PREFILL:
+        engine.prefill_seats += delta
+    else:
+        engine.decode_seats += delta
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
