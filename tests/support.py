@@ -94,7 +94,12 @@ def stack_factory(tmp_path: Path) -> StackFactory:
                     "journal": {"path": str(journal_path)},
                     **sections,
                     "engines": [
-                        {"id": name, "url": engine.url, "role": role}
+                        {
+                            "id": name,
+                            "url": engine.url,
+                            "role": role,
+                            "identity_url": engine.url + "/sim/identity",
+                        }
                         for (name, role), engine in zip(roles, fleet.engines, strict=True)
                     ],
                 },
@@ -170,3 +175,34 @@ def terminal_error(text: str) -> dict[str, Any]:
     assert text.endswith("data: [DONE]\n\n")
     error: dict[str, Any] = payloads[-1]["error"]
     return error
+
+
+CONTRACT: dict[str, Any] = {
+    "engine_version": "0.11.0",
+    "model": MODEL,
+    "connector": "NixlConnector",
+    "block_size": 16,
+    "tp_size": 1,
+}
+
+
+async def router_state(stack: Stack) -> dict[str, Any]:
+    async with stack.http.get(stack.url + "/narwhal/state") as response:
+        state: dict[str, Any] = await response.json()
+        return state
+
+
+async def engine_state(
+    stack: Stack, engine: str, want: str, timeout_s: float = 3.0
+) -> dict[str, Any]:
+    """The engine's entry in `/narwhal/state` once its state is `want` (or after the timeout)."""
+    entry: dict[str, Any] = {}
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while loop.time() < until:
+        state = await router_state(stack)
+        entry = next(e for e in state["engines"] if e["id"] == engine)
+        if entry["state"] == want:
+            break
+        await asyncio.sleep(0.02)
+    return entry

@@ -17,6 +17,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
+    serve.add_argument(
+        "--skip-preflight", action="store_true", help="serve even if engine checks fail"
+    )
+
+    check = sub.add_parser("check", help="preflight: engine contract and KV transfers")
+    check.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
+    check.add_argument("--mesh", action="store_true", help="probe every ordered engine pair")
 
     dev = sub.add_parser("dev", help="run a local simulated fleet plus the router")
     dev.add_argument("--host", default="127.0.0.1")
@@ -52,4 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         from narwhal.router.serve import run_serve
 
-        sys.exit(runtime.run(run_serve(args.config, args.host, args.port)))
+        sys.exit(
+            runtime.run(
+                run_serve(args.config, args.host, args.port, skip_preflight=args.skip_preflight)
+            )
+        )
+    if args.command == "check":
+        from narwhal.preflight import check_command
+
+        sys.exit(runtime.run(check_command(args.config, args.mesh)))

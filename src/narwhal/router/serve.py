@@ -6,15 +6,24 @@ import sys
 from pathlib import Path
 
 from narwhal.config import ConfigError, load_config
+from narwhal.preflight import format_report, run_preflight
 from narwhal.router.app import RouterServer, wait_for_signal
 
 
-async def run_serve(path: Path, host: str | None, port: int | None) -> int:
+async def run_serve(
+    path: Path, host: str | None, port: int | None, *, skip_preflight: bool = False
+) -> int:
     try:
         config = load_config(path)
     except ConfigError as error:
         print(error.report(), file=sys.stderr)
         return 2
+    if not skip_preflight:
+        rows = await run_preflight(config)
+        if not all(row.ok for row in rows):
+            print(format_report(rows), file=sys.stderr)
+            print("preflight failed; not serving (--skip-preflight overrides)", file=sys.stderr)
+            return 1
     server = RouterServer(config, host, port)
     await server.start()
     print(f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines")
