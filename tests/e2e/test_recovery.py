@@ -92,8 +92,9 @@ async def test_a_recovered_consumer_is_probed_through_its_original_producer(
         ]
         assert probe_prefills and probe_prefills[0].body["kv_transfer_params"]["do_remote_decode"]
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
-        events = [line for line in await stack.journal(4) if line.get("type") == "engine"]
-        assert {e["event"] for e in events} >= {"ejected", "probe", "readmitted"} or not events
+        lines = await stack.journal(6)
+        kinds = {line["event"] for line in lines if line["type"] == "engine"}
+        assert {"ejected", "probe", "readmitted"} <= kinds, lines
         await settled(stack)
 
 
