@@ -52,16 +52,20 @@ class Stack:
     def openai(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
 
-    async def journal(self, expect: int = 1) -> list[dict[str, Any]]:
-        """The journal once it holds at least `expect` lines (it is written off the loop)."""
-        lines: list[bytes] = []
+    async def journal(self, expect: int = 1, kind: str | None = None) -> list[dict[str, Any]]:
+        """The journal's lines (of `type` `kind`, or all) once there are at least `expect`.
+
+        It is written off the loop, so lines appear a little after the request ends.
+        """
+        lines: list[dict[str, Any]] = []
         for _ in range(200):
             if self.journal_path.exists():
-                lines = self.journal_path.read_bytes().splitlines()
+                lines = [orjson.loads(line) for line in self.journal_path.read_bytes().splitlines()]
+                lines = [line for line in lines if kind is None or line["type"] == kind]
                 if len(lines) >= expect:
                     break
             await asyncio.sleep(0.01)
-        return [orjson.loads(line) for line in lines]
+        return lines
 
     async def post(self, route: str, body: dict[str, Any]) -> tuple[int, Any]:
         """POST and return (status, parsed JSON or raw SSE text)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -26,9 +27,12 @@ from narwhal.protocol.sse import classify
 from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
-from narwhal.router.fleet import Fleet, Reservation
+from narwhal.router.events import engine_entry, log_call, log_engine_event
+from narwhal.router.fleet import EngineEvent, Fleet, Reservation
 from narwhal.router.journal import Journal
+from narwhal.router.metrics import RouterMetrics
 from narwhal.router.readmission import Readmission
+from narwhal.router.recent import RecentCalls
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -74,9 +78,51 @@ class Call:
     committed: web.StreamResponse | None = None
     stage: Stage = Stage.ADMISSION
     retry_denied: bool = False
+    # Every attempt's handoff kind, and every failure (failed attempts', then the final).
+    handoffs: list[str] = field(default_factory=list)
+    errors: list[NarwhalError] = field(default_factory=list)
+    # Seconds spent in each stage so far, summed over attempts; the current one began at
+    # `stage_at`.
+    spent: dict[Stage, float] = field(default_factory=dict)
+    stage_at: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stage_at = self.arrival
+
+    def enter(self, stage: Stage) -> None:
+        """Move to `stage`, adding the time spent in the current one to `spent`."""
+        now = asyncio.get_running_loop().time()
+        self.finish(now)
+        self.stage, self.stage_at = stage, now
+
+    def finish(self, now: float) -> None:
+        """Count the current stage's time up to `now` (the request ends, or moves on)."""
+        self.spent[self.stage] = self.spent.get(self.stage, 0.0) + now - self.stage_at
+        self.stage_at = now
 
     def fail(self, error: NarwhalError) -> None:
         self.status, self.error, self.cause = error.status, error.message, error.cause.value
+        if not self.errors or self.errors[-1] is not error:
+            self.errors.append(error)
+
+    @property
+    def outcome(self) -> str:
+        return outcome_of(self.status)
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return self.spent.get(Stage.QUEUED)
+
+    @property
+    def prefill_s(self) -> float | None:
+        return self.spent.get(Stage.PREFILL)
+
+    @property
+    def decode_s(self) -> float | None:
+        """In decode legs: waiting for first tokens (over attempts), then relaying."""
+        if Stage.DECODE not in self.spent:
+            return None
+        return self.spent[Stage.DECODE] + self.spent.get(Stage.RELAY, 0.0)
 
     def entry(self, now: float) -> dict[str, Any]:
         return {
@@ -94,6 +140,9 @@ class Call:
             "backend_request_ids": self.backend_request_ids,
             "ttft_s": self.ttft_s,
             "first_byte_s": self.first_byte_s,
+            "queue_wait_s": self.queue_wait_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
             "duration_s": now - self.arrival,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
@@ -101,6 +150,10 @@ class Call:
             "outcome": outcome_of(self.status),
             "cause": self.cause,
             "error": self.error,
+            "failures": [
+                {"engine": e.engine, "cause": e.cause.value, "status": e.status}
+                for e in self.errors
+            ],
         }
 
 
@@ -113,6 +166,10 @@ def outcome_of(status: int) -> str:
     if status == 504:
         return "timeout"
     return "client_error" if status < 500 else "error"
+
+
+# Told about each finished request once, with the time it ended.
+CallHook = Callable[[Call, float], None]
 
 
 class Router:
@@ -138,10 +195,16 @@ class Router:
         self._readmitting: asyncio.Task[None] | None = None
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
         self.in_flight = 0
+        self.recent = RecentCalls()
+        self.metrics = RouterMetrics(self)
+        # After its journal line, each request feeds the fleet page, metrics and logs.
+        self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
+        self.fleet.listeners += [self._journal_engine_event, log_engine_event]
 
     async def start(self) -> None:
         await self.client.__aenter__()
         self.journal.start()
+        self.metrics.start()
         self._readmitting = asyncio.create_task(self.readmission.run(), name="readmission")
 
     async def stop(self) -> None:
@@ -149,8 +212,12 @@ class Router:
             self._readmitting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._readmitting
+        await self.metrics.stop()
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
+
+    def _journal_engine_event(self, event: EngineEvent) -> None:
+        self.journal.record(engine_entry(event))
 
     def state(self) -> dict[str, Any]:
         """What `/narwhal/state` shows: each engine's standing and seats, queue and budget."""
@@ -167,6 +234,7 @@ class Router:
                 "spent": self.budget.spent,
                 "denied": self.budget.denied,
             },
+            "recent": self.recent.summary(now),
             "engines": [
                 {
                     "id": engine.id,
@@ -231,7 +299,11 @@ class Router:
             raise
         finally:
             self.in_flight -= 1
-            self.journal.record(call.entry(loop.time()))
+            now = loop.time()
+            call.finish(now)
+            self.journal.record(call.entry(now))
+            for hook in self.call_hooks:
+                hook(call, now)
 
     async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
         client_request = parse_client_request(
@@ -241,7 +313,7 @@ class Router:
         reservation, stream = await self._open(call, client_request)
         try:
             async with stream:
-                call.stage = Stage.RELAY
+                call.enter(Stage.RELAY)
                 if client_request.stream:
                     response = await _relay(request, call, stream)
                 else:
@@ -261,12 +333,13 @@ class Router:
         """Attempts until one has produced a first token; retries only before any output."""
         failed_on: set[str] = set()
         while True:
-            call.stage = Stage.QUEUED
+            call.enter(Stage.QUEUED)
             reservation = await self.fleet.reserve(frozenset(failed_on))
             try:
                 return reservation, await self._attempt(call, client_request, reservation)
             except NarwhalError as error:
                 reservation.release()
+                call.errors.append(error)
                 self._blame(error, reservation)
                 if not self._may_retry(call, error):
                     raise
@@ -287,7 +360,7 @@ class Router:
         backend_id = new_request_id()
         call.backend_request_ids.append(backend_id)
 
-        call.stage = Stage.PREFILL
+        call.enter(Stage.PREFILL)
         result = await self.client.prefill(
             producer.url,
             call.endpoint,
@@ -316,7 +389,8 @@ class Router:
                     producer.id,
                 )
 
-        call.stage = Stage.DECODE
+        call.handoffs.append(call.handoff)
+        call.enter(Stage.DECODE)
         stream = await self.client.open_decode(
             consumer.url,
             call.endpoint,

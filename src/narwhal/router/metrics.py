@@ -1,0 +1,278 @@
+"""Prometheus metrics for one router, in a registry of its own.
+
+Request metrics are observed once per request, from its finished `Call`. What the router
+already keeps (engine standing, seats, the retry budget, decode gaps) is read when
+`/metrics` is scraped, so it costs the request path nothing. Every label value comes from
+a bounded set: routes, outcomes, statuses, causes, defects, configured engine ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from narwhal.engines.client import DescriptorRejected
+from narwhal.protocol.errors import Cause
+from narwhal.router.fleet import EngineState, Phase
+
+if TYPE_CHECKING:
+    from narwhal.router.pipeline import Call, Router
+
+# Seconds. Time to first token spans a cached 20 ms prefill to a queued long prompt.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LAG_INTERVAL_S = 0.5
+# Causes that name an engine fault; each engine exports all of them, zeros included, so
+# that `increase()` sees an engine's first failure of a kind.
+ENGINE_CAUSES = tuple(
+    c.value for c in Cause if c not in (Cause.BAD_REQUEST, Cause.UNAVAILABLE, Cause.DEADLINE)
+)
+PROBE_RESULTS = ("success", "failure", "inconclusive")
+
+
+class RouterMetrics:
+    """The router's metrics; `observe` is the per-request hook, `render` the exposition."""
+
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "narwhal_requests",
+            "Finished client requests by route, outcome and HTTP status.",
+            ["route", "outcome", "status"],
+            registry=registry,
+        )
+        self.request_errors = Counter(
+            "narwhal_request_errors",
+            "Failed client requests by route and the cause of the final failure.",
+            ["route", "cause"],
+            registry=registry,
+        )
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, buckets=buckets, registry=registry)
+
+        self.ttft = histogram(
+            "narwhal_ttft_seconds", "Arrival to the producer's prefill answer.", LATENCY_BUCKETS
+        )
+        self.first_byte = histogram(
+            "narwhal_first_byte_seconds",
+            "Arrival to the first generated output the router observes.",
+            LATENCY_BUCKETS,
+        )
+        self.handoff_gap = histogram(
+            "narwhal_first_byte_after_ttft_seconds",
+            "Prefill answer to first generated output: KV pull, decode scheduling, first step.",
+            LATENCY_BUCKETS,
+        )
+        self.duration = histogram(
+            "narwhal_request_duration_seconds",
+            "Arrival to the request's end, on every path.",
+            DURATION_BUCKETS,
+        )
+        self.queue_wait = histogram(
+            "narwhal_queue_wait_seconds",
+            "Time spent waiting for seats, summed over a request's attempts.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "narwhal_prefill_seconds",
+            "Time spent in prefill legs, summed over a request's attempts.",
+            LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "narwhal_decode_seconds",
+            "Decode leg from its request to the stream's end.",
+            DURATION_BUCKETS,
+        )
+        self.attempts = Counter(
+            "narwhal_attempts",
+            "Prefill/decode attempts started, first tries and retries.",
+            registry=registry,
+        )
+        self.output_tokens = Counter(
+            "narwhal_output_tokens", "Generated tokens relayed to clients.", registry=registry
+        )
+        self.handoffs = Counter(
+            "narwhal_handoffs",
+            "Handoffs that reached their decode, by kind: crossed, same_worker, recomputed.",
+            ["kind"],
+            registry=registry,
+        )
+        self.descriptor_rejections = Counter(
+            "narwhal_descriptor_rejections",
+            "Producer descriptors rejected before any decode was sent, by defect.",
+            ["defect"],
+            registry=registry,
+        )
+        self.loop_lag = histogram(
+            "narwhal_event_loop_lag_seconds",
+            f"How late a {LAG_INTERVAL_S:g} s sleep wakes on the router's event loop.",
+            LAG_BUCKETS,
+        )
+        registry.register(_ScrapeTimeCollector(router))
+        self._lag_task: asyncio.Task[None] | None = None
+
+    def observe(self, call: Call, now: float) -> None:
+        """Record one finished request."""
+        route = call.endpoint.value
+        self.requests.labels(route, call.outcome, str(call.status)).inc()
+        if call.status != 200 and call.cause is not None:
+            self.request_errors.labels(route, call.cause).inc()
+        self.duration.observe(now - call.arrival)
+        if call.ttft_s is not None:
+            self.ttft.observe(call.ttft_s)
+            if call.first_byte_s is not None:
+                self.handoff_gap.observe(call.first_byte_s - call.ttft_s)
+        if call.first_byte_s is not None:
+            self.first_byte.observe(call.first_byte_s)
+        for histogram, seconds in (
+            (self.queue_wait, call.queue_wait_s),
+            (self.prefill, call.prefill_s),
+            (self.decode, call.decode_s),
+        ):
+            if seconds is not None:
+                histogram.observe(seconds)
+        if call.attempts:
+            self.attempts.inc(call.attempts)
+        if call.output_tokens:
+            self.output_tokens.inc(call.output_tokens)
+        for kind in call.handoffs:
+            self.handoffs.labels(kind).inc()
+        for error in call.errors:
+            if isinstance(error, DescriptorRejected):
+                self.descriptor_rejections.labels(error.defect.value).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start(self) -> None:
+        """Start watching the event loop's lag; `stop` ends it."""
+        self._lag_task = asyncio.create_task(self._watch_loop(), name="loop-lag")
+
+    async def stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_task
+            self._lag_task = None
+
+    async def _watch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            slept_at = loop.time()
+            await asyncio.sleep(LAG_INTERVAL_S)
+            self.loop_lag.observe(max(0.0, loop.time() - slept_at - LAG_INTERVAL_S))
+
+
+class _ScrapeTimeCollector(Collector):
+    """Reads the router's own state when scraped: gauges, engine standing, decode gaps."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router, fleet = self.router, self.router.fleet
+        yield _gauge(
+            "narwhal_requests_in_flight", "Client requests being served.", router.in_flight
+        )
+        yield _gauge("narwhal_requests_queued", "Requests waiting for a seat.", fleet.queued)
+        yield _gauge(
+            "narwhal_open_engine_legs",
+            "Engine legs under way: prefills awaiting answers, decode streams open.",
+            router.client.open_legs,
+        )
+        budget = router.budget
+        yield CounterMetricFamily(
+            "narwhal_retries", "Fresh attempts after a transient fault.", value=budget.spent
+        )
+        yield CounterMetricFamily(
+            "narwhal_retry_budget_denials",
+            "Retries refused because the retry budget had no credit.",
+            value=budget.denied,
+        )
+        yield _gauge("narwhal_retry_budget_credit", "Retry credits left.", budget.credit)
+        yield _gaps_histogram(router)
+        yield from _engine_metrics(router)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _gaps_histogram(router: Router) -> HistogramMetricFamily:
+    gaps = router.client.gaps
+    return HistogramMetricFamily(
+        "narwhal_inter_token_gap_seconds",
+        "Gaps between reads of decode streams past their first token, as the router sees them.",
+        buckets=gaps.cumulative(),
+        sum_value=gaps.total,
+    )
+
+
+def _engine_metrics(router: Router) -> Iterator[Metric]:
+    engines = router.fleet.engines
+    now = asyncio.get_running_loop().time()
+    info = GaugeMetricFamily(
+        "narwhal_engine_info", "Configured engines (value 1).", labels=["engine", "role", "url"]
+    )
+    state = GaugeMetricFamily(
+        "narwhal_engine_state",
+        "Breaker state: 1 for the engine's current state, 0 for the others.",
+        labels=["engine", "state"],
+    )
+    streak = GaugeMetricFamily(
+        "narwhal_engine_streak", "Consecutive failed legs.", labels=["engine"]
+    )
+    ejections = CounterMetricFamily(
+        "narwhal_engine_ejections", "Times the breaker ejected the engine.", labels=["engine"]
+    )
+    quarantines = CounterMetricFamily(
+        "narwhal_engine_quarantines", "Quarantines after a failed leg.", labels=["engine"]
+    )
+    probes = CounterMetricFamily(
+        "narwhal_engine_probes", "Readmission probes by result.", labels=["engine", "result"]
+    )
+    seats = GaugeMetricFamily(
+        "narwhal_engine_seats_in_use", "Phase seats held by requests.", labels=["engine", "phase"]
+    )
+    limits = GaugeMetricFamily(
+        "narwhal_engine_seats_limit",
+        "Phase seat limit (0 = unlimited).",
+        labels=["engine", "phase"],
+    )
+    failures = CounterMetricFamily(
+        "narwhal_engine_leg_failures",
+        "Failed legs counted against the engine, by cause.",
+        labels=["engine", "cause"],
+    )
+    for engine in engines:
+        name = engine.id
+        info.add_metric([name, engine.spec.role.value, engine.url], 1)
+        current = engine.state(now)
+        for member in EngineState:
+            state.add_metric([name, member.value], 1 if member is current else 0)
+        streak.add_metric([name], engine.streak)
+        ejections.add_metric([name], engine.ejections)
+        quarantines.add_metric([name], engine.quarantines)
+        for result in (*PROBE_RESULTS, *(r for r in engine.probes if r not in PROBE_RESULTS)):
+            probes.add_metric([name, result], engine.probes.get(result, 0))
+        seats.add_metric([name, Phase.PREFILL.value], engine.prefill_seats)
+        seats.add_metric([name, Phase.DECODE.value], engine.decode_seats)
+        limits.add_metric([name, Phase.PREFILL.value], engine.spec.max_prefill_seats)
+        limits.add_metric([name, Phase.DECODE.value], engine.spec.max_decode_seats)
+        for cause in (*ENGINE_CAUSES, *(c for c in engine.failures if c not in ENGINE_CAUSES)):
+            failures.add_metric([name, cause], engine.failures.get(cause, 0))
+    yield from (info, state, streak, ejections, quarantines, probes, seats, limits, failures)
