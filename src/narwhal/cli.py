@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--skip-preflight", action="store_true", help="serve even if engine checks fail"
     )
+    _add_log_format(serve)
 
     check = sub.add_parser("check", help="preflight: engine contract and KV transfers")
     check.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
@@ -29,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--host", default="127.0.0.1")
     dev.add_argument("--port", type=int, default=8000)
     dev.add_argument("--journal", help="append the request journal to this file")
+    _add_log_format(dev)
+
+    journal = sub.add_parser("journal", help="read request journals")
+    journal_sub = journal.add_subparsers(dest="journal_command", required=True)
+    summarize = journal_sub.add_parser("summarize", help="print a summary of a journal file")
+    summarize.add_argument("file", type=Path)
 
     config = sub.add_parser("config", help="work with fleet configuration files")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -38,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
     return parser
+
+
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="event log lines on stderr: human-readable text (default) or JSON",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,6 +68,14 @@ def main(argv: list[str] | None = None) -> None:
         from narwhal.config import validate_command
 
         sys.exit(validate_command(args.file))
+    if args.command == "journal":
+        from narwhal.journal_summary import summarize_command
+
+        sys.exit(summarize_command(args.file))
+    if args.command in ("dev", "serve"):
+        from narwhal.router.events import configure_logging
+
+        configure_logging(args.log_format)
     if args.command == "dev":
         from narwhal.dev import run_dev
 
