@@ -13,6 +13,7 @@ from aiohttp import web
 from narwhal.config import Config
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -66,6 +67,10 @@ def build_app(router: Router) -> web.Application:
     async def state(request: web.Request) -> web.StreamResponse:
         return web.Response(body=orjson.dumps(router.state()), content_type="application/json")
 
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        body, content_type = router.metrics.render(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         await router.start()
         yield
@@ -76,6 +81,8 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/narwhal/state", state)
+    app.router.add_get("/metrics", metrics)
+    add_page_routes(app)
     app.cleanup_ctx.append(lifespan)
     return app
 

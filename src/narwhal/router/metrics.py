@@ -13,13 +13,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from narwhal.engines.client import DescriptorRejected
@@ -155,8 +156,10 @@ class RouterMetrics:
             if isinstance(error, DescriptorRejected):
                 self.descriptor_rejections.labels(error.defect.value).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition in the format the scraper accepts, and its content type."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type
 
     def start(self) -> None:
         """Start watching the event loop's lag; `stop` ends it."""
@@ -269,10 +272,12 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         quarantines.add_metric([name], engine.quarantines)
         for result in (*PROBE_RESULTS, *(r for r in engine.probes if r not in PROBE_RESULTS)):
             probes.add_metric([name, result], engine.probes.get(result, 0))
-        seats.add_metric([name, Phase.PREFILL.value], engine.prefill_seats)
-        seats.add_metric([name, Phase.DECODE.value], engine.decode_seats)
-        limits.add_metric([name, Phase.PREFILL.value], engine.spec.max_prefill_seats)
-        limits.add_metric([name, Phase.DECODE.value], engine.spec.max_decode_seats)
+        if engine.serves(Phase.PREFILL):
+            seats.add_metric([name, Phase.PREFILL.value], engine.prefill_seats)
+            limits.add_metric([name, Phase.PREFILL.value], engine.spec.max_prefill_seats)
+        if engine.serves(Phase.DECODE):
+            seats.add_metric([name, Phase.DECODE.value], engine.decode_seats)
+            limits.add_metric([name, Phase.DECODE.value], engine.spec.max_decode_seats)
         for cause in (*ENGINE_CAUSES, *(c for c in engine.failures if c not in ENGINE_CAUSES)):
             failures.add_metric([name, cause], engine.failures.get(cause, 0))
     yield from (info, state, streak, ejections, quarantines, probes, seats, limits, failures)

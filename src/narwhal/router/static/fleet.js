@@ -1,0 +1,170 @@
+// The fleet page: polls /narwhal/state and redraws. No dependencies; every value from the
+// router is inserted as text, never as HTML (ejection reasons quote engine messages).
+"use strict";
+
+const POLL_MS = 1000;
+const RECENT_MS = 5 * 60 * 1000;
+const OUTCOMES = ["ok", "client_error", "timeout", "error", "client_closed"];
+// Failure counters seen over the last minutes, to tell recent failures from old ones.
+const history = [];
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key === "class") node.className = value;
+    else if (key === "style") node.style.cssText = value;
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) {
+    if (child !== null && child !== undefined) node.append(child);
+  }
+  return node;
+}
+
+function text(id, value) {
+  document.getElementById(id).textContent = value;
+}
+
+function seconds(value) {
+  if (value === null || value === undefined) return "–";
+  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
+}
+
+function serving(engines) {
+  const admitted = engines.filter((e) => e.state === "admitted");
+  const prefill = admitted.some((e) => e.role !== "decode");
+  const decode = admitted.some((e) => e.role !== "prefill");
+  if (!prefill || !decode) return "down";
+  return admitted.length === engines.length ? "serving" : "degraded";
+}
+
+function recentFailures(state, now) {
+  history.push({ t: now, failures: Object.fromEntries(state.engines.map((e) => [e.id, e.failures])) });
+  while (history.length > 1 && now - history[1].t >= RECENT_MS) history.shift();
+  return history[0];
+}
+
+function renderRecent(recent) {
+  text("rate", recent.rate_per_s.toFixed(recent.rate_per_s < 10 ? 2 : 0));
+  text("window", `last ${Math.round(recent.window_s / 60)} min · ${recent.requests} requests`);
+  const outcomes = document.getElementById("outcomes");
+  outcomes.replaceChildren(
+    ...OUTCOMES.filter((o) => recent.outcomes[o]).map((o) =>
+      el("span", { class: `outcome o-${o}`, "data-outcome": o }, `${o.replace("_", " ")} ${recent.outcomes[o]}`),
+    ),
+  );
+  if (!outcomes.children.length) outcomes.append(el("span", { class: "muted" }, "no requests yet"));
+  const peak = Math.max(1, ...recent.series.map((b) => OUTCOMES.reduce((n, o) => n + (b[o] || 0), 0)));
+  document.getElementById("chart").replaceChildren(
+    ...recent.series.map((bucket) =>
+      el(
+        "div",
+        { class: "bar", title: `${bucket.ago_s} s ago` },
+        ...OUTCOMES.filter((o) => bucket[o]).map((o) =>
+          el("span", { class: `o-${o}`, style: `height:${(100 * bucket[o]) / peak}%` }),
+        ),
+      ),
+    ),
+  );
+  for (const [row, values] of [["ttft", recent.ttft_s], ["first-byte", recent.first_byte_s]]) {
+    const cells = document.getElementById(row).querySelectorAll("td");
+    ["p50", "p90", "p99"].forEach((q, i) => {
+      cells[i].textContent = seconds(values ? values[q] : null);
+    });
+  }
+}
+
+function seatRow(phase, seats) {
+  const limit = seats.limit ? `/${seats.limit}` : "";
+  const share = seats.limit ? Math.min(100, (100 * seats.in_use) / seats.limit) : seats.in_use ? 100 : 0;
+  return el(
+    "div",
+    { class: "seat", "data-field": `seats-${phase}` },
+    el("span", {}, phase),
+    el("span", { class: "meter" }, el("span", { style: `width:${share}%` })),
+    el("span", {}, `${seats.in_use}${limit}`),
+  );
+}
+
+function engineCard(engine, before) {
+  const failures = Object.entries(engine.failures).filter(([, n]) => n > 0);
+  const earlier = (before && before.failures[engine.id]) || {};
+  const reason =
+    engine.state === "ejected" && engine.ejection_reason
+      ? engine.ejection_reason
+      : engine.state === "quarantined"
+        ? `quarantined for another ${engine.quarantined_for_s.toFixed(1)} s`
+        : null;
+  const probes = engine.probes || {};
+  return el(
+    "article",
+    { class: "engine", "data-engine": engine.id, "data-state": engine.state },
+    el(
+      "div",
+      { class: "engine-head" },
+      el("span", { class: "engine-id" }, engine.id),
+      el("span", { class: "badge", "data-field": "role" }, engine.role),
+      el("span", { class: "badge state", "data-field": "state", "data-state": engine.state }, engine.state),
+    ),
+    el("div", { class: "url" }, engine.url),
+    engine.role !== "decode" ? seatRow("prefill", engine.seats.prefill) : null,
+    engine.role !== "prefill" ? seatRow("decode", engine.seats.decode) : null,
+    el(
+      "div",
+      { class: "facts" },
+      el("span", { "data-field": "streak" }, `streak ${engine.streak ?? 0}`),
+      el("span", {}, `ejections ${engine.ejections ?? 0}`),
+      Object.keys(probes).length
+        ? el("span", {}, `probes ${Object.entries(probes).map(([k, n]) => `${k} ${n}`).join(", ")}`)
+        : null,
+    ),
+    reason ? el("p", { class: "reason", "data-field": "reason" }, reason) : null,
+    failures.length
+      ? el(
+          "ul",
+          { class: "failures", "data-field": "failures" },
+          ...failures.map(([cause, n]) => {
+            const fresh = n - (earlier[cause] || 0);
+            return el(
+              "li",
+              {},
+              el("span", {}, cause.replaceAll("_", " ")),
+              el("span", {}, fresh > 0 ? el("span", { class: "recent-failure" }, `+${fresh} recently · `) : null, `${n}`),
+            );
+          }),
+        )
+      : null,
+  );
+}
+
+function render(state) {
+  const now = Date.now();
+  const before = recentFailures(state, now);
+  text("model", state.model);
+  text("in-flight", state.in_flight);
+  text("queued", state.queued);
+  text("credit", `${Math.floor(state.retry_budget.credit)}/${state.retry_budget.size}`);
+  if (state.recent) renderRecent(state.recent);
+  document.getElementById("engines").replaceChildren(...state.engines.map((e) => engineCard(e, before)));
+  const status = document.getElementById("status");
+  const word = serving(state.engines);
+  status.dataset.status = word;
+  const down = state.engines.filter((e) => e.state !== "admitted").length;
+  status.textContent = word === "serving" ? "serving" : `${word}: ${down} of ${state.engines.length} engines out`;
+}
+
+async function poll() {
+  try {
+    const response = await fetch("/narwhal/state", { cache: "no-store" });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    render(await response.json());
+  } catch (error) {
+    const status = document.getElementById("status");
+    status.dataset.status = "unreachable";
+    status.textContent = `router unreachable (${error.message})`;
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+poll();
