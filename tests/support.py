@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
+from narwhal.secrets import Secrets
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import Fault
 from narwhal.sim.fleet import SimFleet
@@ -87,9 +88,17 @@ def stack_factory(tmp_path: Path) -> StackFactory:
         roles: Sequence[tuple[str, str]] = CROSSED,
         *,
         sim: dict[str, Any] | None = None,
+        sim_by_engine: dict[str, dict[str, Any]] | None = None,
+        engine_keys: dict[str, dict[str, Any]] | None = None,
+        secrets: Secrets | None = None,
         **sections: dict[str, Any],
     ) -> AsyncIterator[Stack]:
-        options = [replace(FAST, name=name, **(sim or {})) for name, _ in roles]
+        """`sim` applies to every engine, `sim_by_engine` to one; `engine_keys` adds
+        `[[engines]]` keys by engine id."""
+        options = [
+            replace(FAST, name=name, **(sim or {}), **(sim_by_engine or {}).get(name, {}))
+            for name, _ in roles
+        ]
         journal_path = tmp_path / "journal.jsonl"
         async with SimFleet(options) as fleet:
             config = parse_config(
@@ -103,13 +112,14 @@ def stack_factory(tmp_path: Path) -> StackFactory:
                             "url": engine.url,
                             "role": role,
                             "identity_url": engine.url + "/sim/identity",
+                            **(engine_keys or {}).get(name, {}),
                         }
                         for (name, role), engine in zip(roles, fleet.engines, strict=True)
                     ],
                 },
                 source="test",
             )
-            server = RouterServer(config, port=0)
+            server = RouterServer(config, port=0, secrets=secrets)
             await server.start()
             try:
                 async with aiohttp.ClientSession() as http:

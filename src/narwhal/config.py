@@ -60,6 +60,8 @@ class ServerConfig:
     # Kept out of repr so that logging a config never logs a credential.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Names an environment variable holding more client keys, comma-separated.
+    api_keys_env: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,6 +534,7 @@ def _server(table: _Table) -> ServerConfig:
         graceful_timeout_s=table.number("graceful_timeout_s", d.graceful_timeout_s, zero_ok=True),
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
+        api_keys_env=_env_name(table, "api_keys_env"),
     )
     table.close()
     return server

@@ -7,6 +7,7 @@ runs the same checks before it listens (unless `--skip-preflight`).
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.identity import IdentityError, contract_mismatches, read_identity
 from narwhal.engines.probe import probe_transfer
 from narwhal.protocol.errors import NarwhalError
+from narwhal.secrets import Secrets, SecretsError, load_secrets
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +104,17 @@ async def check_transfer(
     return Row("transfer", subject, True, f"{kind} ok, decoded {transfer.text!r}")
 
 
-async def run_preflight(config: Config, *, mesh: bool = False) -> list[Row]:
+async def run_preflight(
+    config: Config, secrets: Secrets | None = None, *, mesh: bool = False
+) -> list[Row]:
     """Engine checks first, then the transfers between engines that passed."""
     async with EngineClient(
         connect_timeout_s=config.engine.connect_timeout_s,
         prefill_timeout_s=config.engine.prefill_timeout_s,
         first_token_timeout_s=config.engine.first_token_timeout_s,
         decode_read_timeout_s=config.engine.decode_read_timeout_s,
+        headers=(secrets or Secrets()).engine_headers(),
+        ca_bundle=config.engine.ca_bundle,
     ) as client:
         engine_rows = await asyncio.gather(
             *(check_engine(config, client.session, spec) for spec in config.engines)
@@ -139,9 +145,13 @@ def format_report(rows: list[Row]) -> str:
 async def check_command(path: Path, mesh: bool) -> int:
     try:
         config = load_config(path)
+        secrets = load_secrets(config, os.environ)
     except ConfigError as error:
         print(error.report(), file=sys.stderr)
         return 2
-    rows = await run_preflight(config, mesh=mesh)
+    except SecretsError as error:
+        print(f"{path}: {error}", file=sys.stderr)
+        return 2
+    rows = await run_preflight(config, secrets, mesh=mesh)
     print(format_report(rows))
     return 0 if all(row.ok for row in rows) else 1

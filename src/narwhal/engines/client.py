@@ -9,16 +9,19 @@ failure is raised as a `NarwhalError` whose cause and status are decided here.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
 from narwhal.engines.gaps import TokenGaps
+from narwhal.engines.hosts import HostResolver
 from narwhal.protocol.bodies import decode_body, prefill_body
 from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
@@ -72,12 +75,15 @@ class EngineClient:
         first_token_timeout_s: float = 2.5,
         decode_read_timeout_s: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self.decode_read_timeout_s = decode_read_timeout_s
         self._headers = {"Content-Type": "application/json", **(headers or {})}
+        self._ca_bundle = ca_bundle
+        self._hosts = HostResolver()
         self._session: aiohttp.ClientSession | None = None
         # Legs under way: a prefill awaiting its answer or a decode stream not yet closed.
         self.open_legs = 0
@@ -85,8 +91,10 @@ class EngineClient:
         self.gaps = TokenGaps()
 
     async def __aenter__(self) -> Self:
+        # https:// engines are verified against the system store, or `ca_bundle` if given.
+        tls = ssl.create_default_context(cafile=self._ca_bundle) if self._ca_bundle else True
         connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True
+            limit=0, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True, ssl=tls
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -127,6 +135,7 @@ class EngineClient:
         same_worker: bool = False,
         request_id: str | None = None,
         engine: str | None = None,
+        kv_hosts: Iterable[str] = (),
     ) -> PrefillResult:
         """Run the one-token prefill and capture the producer's descriptor.
 
@@ -164,6 +173,7 @@ class EngineClient:
             started_at=started_at,
             prompt_tokens=prompt_tokens,
             same_worker=same_worker,
+            kv_hosts=tuple(kv_hosts),
         )
 
     # Leg 2 ---------------------------------------------------------------------------
@@ -185,7 +195,7 @@ class EngineClient:
         delays spend it too. On return the stream has output; nothing has been relayed.
         """
         name = engine or consumer_url
-        descriptor = self._checked_descriptor(consumer_url, endpoint, result, connector)
+        descriptor = await self._checked_descriptor(consumer_url, endpoint, result, connector)
         data = decode_body(body, descriptor)
         self.open_legs += 1
         response: aiohttp.ClientResponse | None = None
@@ -252,20 +262,32 @@ class EngineClient:
     def _leg_closed(self) -> None:
         self.open_legs -= 1
 
-    def _checked_descriptor(
+    async def _checked_descriptor(
         self, consumer_url: str, endpoint: str, result: PrefillResult, connector: str
     ) -> bytes | None:
-        """The descriptor to send, after every rule; None means a plain (recomputing) decode."""
+        """The descriptor to send, after every rule; None means a plain (recomputing) decode.
+
+        Last rule: the descriptor may only send the consumer to the producer that issued
+        it, so a misbehaving engine cannot steer KV pulls elsewhere.
+        """
         if result.descriptor is None or consumer_url == result.producer_url:
             # Never point a descriptor at its own engine: the prefix cache serves it.
             return None
         name = result.producer_url
-        defect = check_descriptor(result.parameters()) or check_handoff(
+        params = result.parameters()
+        defect = check_descriptor(params) or check_handoff(
             prefill_connector=result.connector,
             decode_connector=connector,
             prefill_endpoint=result.endpoint,
             decode_endpoint=endpoint,
         )
+        if defect is None:
+            remote_host = params.get("remote_host")
+            allowed = (_host_of(result.producer_url), *result.kv_hosts)
+            if not isinstance(remote_host, str) or not await self._hosts.same_machine(
+                remote_host, allowed
+            ):
+                defect = Defect.FOREIGN_HOST
         if defect is not None:
             raise DescriptorRejected(defect, name)
         return result.descriptor
@@ -481,6 +503,10 @@ def _error_object(payload: dict[str, Any], engine: str) -> NarwhalError:
 def _usage_of(payload: dict[str, Any] | None) -> dict[str, Any] | None:
     usage = (payload or {}).get("usage")
     return usage if isinstance(usage, dict) else None
+
+
+def _host_of(url: str) -> str:
+    return urlsplit(url).hostname or ""
 
 
 def _close(response: aiohttp.ClientResponse | None) -> None:

@@ -27,6 +27,8 @@ class PrefillResult:
     prompt_tokens: int | None = None
     connector: str = NIXL_CONNECTOR
     same_worker: bool = False
+    # Hosts besides the producer's own that its descriptor may send consumers to.
+    kv_hosts: tuple[str, ...] = ()
 
     def parameters(self) -> Any:
         """A detached copy of the descriptor; changing it changes nothing here."""

@@ -49,6 +49,7 @@ async def probe_transfer(
                 body,
                 same_worker=same_worker,
                 engine=producer.id,
+                kv_hosts=producer.kv_hosts,
             )
     except TimeoutError:
         raise _slow(producer, "prefill", leg_timeout_s) from None

@@ -30,6 +30,7 @@ class Defect(StrEnum):
     MALFORMED_BLOCK_IDS = "malformed_block_ids"
     CONNECTOR_MISMATCH = "connector_mismatch"
     ENDPOINT_MISMATCH = "endpoint_mismatch"
+    FOREIGN_HOST = "foreign_host"
 
 
 DEFECT_MESSAGES = {
@@ -40,6 +41,9 @@ DEFECT_MESSAGES = {
     ),
     Defect.CONNECTOR_MISMATCH: "the producer's KV connector differs from the consumer's",
     Defect.ENDPOINT_MISMATCH: "the prefill ran on a different route than the decode",
+    Defect.FOREIGN_HOST: (
+        "remote_host does not resolve to the producer's own host (nor to one of its kv_hosts)"
+    ),
 }
 
 

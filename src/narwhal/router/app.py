@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from narwhal.config import Config
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
+from narwhal.secrets import Secrets, bearer_allowed
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -31,11 +33,44 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return web.Response(status=exc.status, body=error.json(), content_type="application/json")
 
 
-def build_app(router: Router) -> web.Application:
+def authentication(secrets: Secrets) -> Middleware:
+    """Bearer keys: client keys for `/v1/*`, admin keys for operator routes; `/health` is open.
+
+    A kind of route with no keys configured is open.
+    """
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if path == "/health":
+            keys: tuple[bytes, ...] = ()
+        elif path.startswith("/v1/"):
+            keys = secrets.client_keys
+        else:
+            keys = secrets.admin_keys
+        if keys and not bearer_allowed(request.headers.get("Authorization"), keys):
+            error = NarwhalError(
+                401,
+                "missing or invalid API key: send `Authorization: Bearer <key>`",
+                Cause.BAD_REQUEST,
+            )
+            return web.Response(
+                status=401,
+                body=error.json(),
+                content_type="application/json",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return authenticate
+
+
+def build_app(router: Router, secrets: Secrets) -> web.Application:
     config = router.config
-    app = web.Application(
-        client_max_size=config.serving.max_request_bytes, middlewares=[openai_errors]
-    )
+    middlewares: list[Middleware] = [openai_errors]
+    if secrets.client_keys or secrets.admin_keys:
+        middlewares.insert(0, authentication(secrets))
+    app = web.Application(client_max_size=config.serving.max_request_bytes, middlewares=middlewares)
     created = int(time.time())
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -90,8 +125,16 @@ def build_app(router: Router) -> web.Application:
 class RouterServer:
     """A running router bound to a socket; `port` is the real one when 0 was asked."""
 
-    def __init__(self, config: Config, host: str | None = None, port: int | None = None) -> None:
-        self.router = Router(config)
+    def __init__(
+        self,
+        config: Config,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        secrets: Secrets | None = None,
+    ) -> None:
+        self.secrets = secrets or Secrets()
+        self.router = Router(config, self.secrets)
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port
         self._runner: web.AppRunner | None = None
@@ -102,7 +145,7 @@ class RouterServer:
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
-            build_app(self.router), handler_cancellation=True, access_log=None
+            build_app(self.router, self.secrets), handler_cancellation=True, access_log=None
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)

@@ -33,6 +33,7 @@ from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
+from narwhal.secrets import Secrets
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -175,7 +176,7 @@ CallHook = Callable[[Call, float], None]
 class Router:
     """Everything a request needs, built once from the configuration."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, secrets: Secrets | None = None) -> None:
         self.config = config
         self.fleet = Fleet(
             config.engines,
@@ -188,6 +189,8 @@ class Router:
             prefill_timeout_s=timeouts.prefill_timeout_s,
             first_token_timeout_s=timeouts.first_token_timeout_s,
             decode_read_timeout_s=timeouts.decode_read_timeout_s,
+            headers=(secrets or Secrets()).engine_headers(),
+            ca_bundle=timeouts.ca_bundle,
         )
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.breaker = Breaker(self.fleet, config.recovery.eject_after)
@@ -368,6 +371,7 @@ class Router:
             same_worker=not reservation.crossed,
             request_id=backend_id,
             engine=producer.id,
+            kv_hosts=producer.spec.kv_hosts,
         )
         reservation.release_prefill()
         self.breaker.success(producer.id)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from narwhal.config import ConfigError, load_config
 from narwhal.preflight import format_report, run_preflight
 from narwhal.router.app import RouterServer, wait_for_signal
+from narwhal.secrets import SecretsError, load_secrets
 
 
 async def run_serve(
@@ -18,13 +20,18 @@ async def run_serve(
     except ConfigError as error:
         print(error.report(), file=sys.stderr)
         return 2
+    try:
+        secrets = load_secrets(config, os.environ)
+    except SecretsError as error:
+        print(f"{path}: {error}", file=sys.stderr)
+        return 2
     if not skip_preflight:
-        rows = await run_preflight(config)
+        rows = await run_preflight(config, secrets)
         if not all(row.ok for row in rows):
             print(format_report(rows), file=sys.stderr)
             print("preflight failed; not serving (--skip-preflight overrides)", file=sys.stderr)
             return 1
-    server = RouterServer(config, host, port)
+    server = RouterServer(config, host, port, secrets=secrets)
     await server.start()
     print(f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines")
     try:

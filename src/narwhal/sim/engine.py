@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 import uuid
 from collections import deque
@@ -57,6 +58,7 @@ class Received:
     path: str
     request_id: str | None
     raw: bytes
+    authorization: str | None = None
 
     @property
     def body(self) -> Any:
@@ -78,10 +80,18 @@ class _Launch:
 class SimEngine:
     """A vLLM-compatible engine with the NixlConnector's KV handoff, in this event loop."""
 
-    def __init__(self, options: SimOptions, *, on_crash: Callable[[], None] | None = None) -> None:
-        """`on_crash` replaces the in-process crash for the `crash` fault (a CLI exits)."""
+    def __init__(
+        self,
+        options: SimOptions,
+        *,
+        on_crash: Callable[[], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        """`on_crash` replaces the in-process crash for the `crash` fault (a CLI exits);
+        `ssl_context` serves HTTPS, as an engine behind TLS would."""
         self.options = options
         self._on_crash = on_crash
+        self._ssl_context = ssl_context
         self._launch = self._new_launch()
         self._runner: web.AppRunner | None = None
         self._http: asyncio.Server | None = None
@@ -134,7 +144,8 @@ class SimEngine:
 
     @property
     def url(self) -> str:
-        return f"http://{self.options.host}:{self._port}"
+        scheme = "https" if self._ssl_context is not None else "http"
+        return f"{scheme}://{self.options.host}:{self._port}"
 
     @property
     def port(self) -> int:
@@ -182,7 +193,14 @@ class SimEngine:
         launch = self._launch
         created = int(time.time())
         raw = await request.read()
-        self.received.append(Received(request.path, request.headers.get("X-Request-Id"), raw))
+        self.received.append(
+            Received(
+                request.path,
+                request.headers.get("X-Request-Id"),
+                raw,
+                request.headers.get("Authorization"),
+            )
+        )
         try:
             inference = parse_request(
                 raw,
@@ -443,7 +461,11 @@ class SimEngine:
         assert self._runner is not None and self._runner.server is not None
         self._reopen = None
         self._http = await asyncio.get_running_loop().create_server(
-            self._runner.server, self.options.host, self._port, reuse_address=True
+            self._runner.server,
+            self.options.host,
+            self._port,
+            reuse_address=True,
+            ssl=self._ssl_context,
         )
         self._port = self._http.sockets[0].getsockname()[1]
 
