@@ -65,5 +65,5 @@ async def run_dev(host: str, port: int, journal: str | None) -> int:
         try:
             await wait_for_signal()
         finally:
-            await server.stop()
+            await server.shutdown(config.server.graceful_timeout_s)
     return 0

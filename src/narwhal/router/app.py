@@ -95,6 +95,8 @@ def build_app(router: Router, secrets: Secrets) -> web.Application:
         )
 
     async def health(request: web.Request) -> web.StreamResponse:
+        if router.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
         if router.fleet.can_serve():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
@@ -158,12 +160,18 @@ class RouterServer:
             await self._runner.cleanup()
             self._runner = None
 
+    async def shutdown(self, grace_s: float) -> None:
+        """Drain (new requests get 503, running ones get `grace_s` to finish), then stop."""
+        await self.router.drain(grace_s)
+        await self.stop()
+
 
 def _bound_port(site: web.TCPSite) -> int:
-    server = site._server
-    if not isinstance(server, asyncio.Server):
+    # asyncio's and uvloop's servers both expose `sockets`.
+    sockets = getattr(site._server, "sockets", None)
+    if not sockets:
         raise RuntimeError("the router's listening socket is not open")
-    port: int = server.sockets[0].getsockname()[1]
+    port: int = sockets[0].getsockname()[1]
     return port
 
 

@@ -44,6 +44,18 @@ DONE_EVENT = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 
 
+def shutting_down() -> NarwhalError:
+    return NarwhalError(
+        503, "the router is shutting down; retry shortly", Cause.UNAVAILABLE, retry_after=1
+    )
+
+
+def shut_down() -> NarwhalError:
+    return NarwhalError(
+        503, "the router shut down before this request finished", Cause.UNAVAILABLE, retry_after=1
+    )
+
+
 class Stage(StrEnum):
     """Where a request is; named in deadline errors so the operator knows what was slow."""
 
@@ -198,6 +210,9 @@ class Router:
         self._readmitting: asyncio.Task[None] | None = None
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
         self.in_flight = 0
+        self.draining = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._shutdown_cancelled: set[asyncio.Task[Any]] = set()
         self.recent = RecentCalls()
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
@@ -279,8 +294,13 @@ class Router:
             deadline=arrival + self.config.serving.request_timeout_s,
         )
         self.in_flight += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
         try:
             try:
+                if self.draining:
+                    raise shutting_down()
                 async with asyncio.timeout_at(call.deadline):
                     return await self._serve(request, call)
             except TimeoutError:
@@ -298,15 +318,42 @@ class Router:
             call.fail(error)
             return await _answer_error(request, call, error)
         except asyncio.CancelledError:
-            call.status, call.error = CLIENT_CLOSED, "client closed the connection"
-            raise
+            if not self._shut_out(task):
+                call.status, call.error = CLIENT_CLOSED, "client closed the connection"
+                raise
+            # The router is stopping and this request outlived the grace period.
+            ended = shut_down()
+            call.fail(ended)
+            return await _answer_error(request, call, ended)
         finally:
             self.in_flight -= 1
+            self._tasks.discard(task)
             now = loop.time()
             call.finish(now)
             self.journal.record(call.entry(now))
             for hook in self.call_hooks:
                 hook(call, now)
+
+    async def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: refuse new requests, let running ones finish for `grace_s`,
+        then end the rest (a terminal error event on committed streams)."""
+        self.draining = True
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        remaining = [task for task in self._tasks if not task.done()]
+        for task in remaining:
+            self._shutdown_cancelled.add(task)
+            task.cancel()
+        if remaining:
+            await asyncio.wait(remaining, timeout=5.0)
+
+    def _shut_out(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether this cancellation is the router's own shutdown, not the client leaving."""
+        if task is None or task not in self._shutdown_cancelled:
+            return False
+        self._shutdown_cancelled.discard(task)
+        task.uncancel()
+        return True
 
     async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
         client_request = parse_client_request(

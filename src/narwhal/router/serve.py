@@ -37,5 +37,5 @@ async def run_serve(
     try:
         await wait_for_signal()
     finally:
-        await server.stop()
+        await server.shutdown(config.server.graceful_timeout_s)
     return 0
