@@ -1,0 +1,136 @@
+"""The fleet page renders the fleet in a real browser and follows engine state live."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+from playwright.async_api import Browser, Error, Page, async_playwright, expect
+
+from narwhal.router.page import ASSET_TYPES
+from support import COMPLETION, Stack, StackFactory, arm
+
+FOUR = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# The page polls every second; allow a few polls.
+LIVE_MS = 5000
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """Debian's chromium under Playwright; skips only where that browser cannot start."""
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.skip("no chromium on PATH (make test installs it with apt-get where it can)")
+    async with async_playwright() as playwright:
+        try:
+            launched = await playwright.chromium.launch(
+                executable_path=executable, args=CHROMIUM_ARGS
+            )
+        except Error as error:
+            pytest.skip(f"chromium is installed but cannot start here: {error.message[:300]}")
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def open_page(browser: Browser, stack: Stack, path: str, width: int, height: int) -> Page:
+    """The page, failing the test on any console error (a blocked asset included)."""
+    page = await browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(stack.url + path)
+    await expect(page.locator("[data-engine]")).to_have_count(len(stack.fleet.engines))
+    assert errors == []
+    return page
+
+
+async def test_the_page_shows_the_fleet_and_follows_quarantine_and_ejection(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    async with make_stack(FOUR, recovery={"failure_quarantine_s": 30.0}) as stack:
+        for _ in range(3):
+            assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
+        page = await open_page(browser, stack, "/", 1280, 800)
+
+        for engine, role in FOUR:
+            card = page.locator(f'[data-engine="{engine}"]')
+            await expect(card.locator('[data-field="role"]')).to_have_text(role)
+            await expect(card.locator('[data-field="state"]')).to_have_text("admitted")
+        seats = page.locator('[data-engine="d0"] [data-field="seats-decode"]')
+        await expect(seats).to_contain_text("0/256")
+        await expect(page.locator('[data-outcome="ok"]')).to_have_text("ok 3")
+        await expect(page.locator("#ttft td").first).to_have_text(re.compile(r"^\d+ ms$"))
+        await expect(page.locator("#status")).to_have_text("serving")
+
+        # A real engine fault quarantines p0; the page shows it and the fresh failure.
+        arm(stack.engine("p0"), phase="prefill", status=503, times=1)
+        arm(stack.engine("p1"), phase="prefill", status=503, times=1)
+        assert (await stack.post("/v1/completions", COMPLETION))[0] == 502
+        failed = next(
+            e.id for e in stack.server.router.fleet.engines if e.failures.get("http_status")
+        )
+        card = page.locator(f'[data-engine="{failed}"]')
+        await expect(card.locator('[data-field="state"]')).to_have_text(
+            "quarantined", timeout=LIVE_MS
+        )
+        await expect(card.locator('[data-field="reason"]')).to_contain_text("quarantined for")
+        await expect(card.locator('[data-field="failures"]')).to_contain_text(
+            "http status+1 recently · 1"
+        )
+        await expect(page.locator("#status")).to_contain_text("degraded: 1 of 4 engines out")
+
+        # An ejection, set on the router's own fleet, with its reason.
+        d1 = stack.server.router.fleet.by_id["d1"]
+        d1.ejected = True
+        d1.ejection_reason = "3 consecutive failures; last: silence: <b>went quiet</b>"
+        card = page.locator('[data-engine="d1"]')
+        await expect(card.locator('[data-field="state"]')).to_have_text("ejected", timeout=LIVE_MS)
+        # Shown as text, never as markup.
+        await expect(card.locator('[data-field="reason"]')).to_have_text(d1.ejection_reason)
+        await expect(page.locator("#status")).to_contain_text("2 of 4 engines out")
+        d1.ejected = False
+        await expect(card.locator('[data-field="state"]')).to_have_text("admitted", timeout=LIVE_MS)
+
+
+async def test_the_page_fits_a_phone_screen(make_stack: StackFactory, browser: Browser) -> None:
+    async with make_stack(FOUR) as stack:
+        page = await open_page(browser, stack, "/narwhal/", 390, 844)
+        overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        lefts = {
+            round((await card.bounding_box() or {"x": -1.0})["x"])
+            for card in await page.locator("[data-engine]").all()
+        }
+    assert overflow <= 0
+    # One column of engine cards.
+    assert len(lefts) == 1
+
+
+async def test_the_page_and_its_assets_come_from_the_router_alone(
+    make_stack: StackFactory,
+) -> None:
+    async with make_stack() as stack:
+        bodies = []
+        for path in ("/", "/narwhal", "/narwhal/", *(f"/narwhal/static/{a}" for a in ASSET_TYPES)):
+            async with stack.http.get(stack.url + path) as response:
+                assert response.status == 200, path
+                assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+                bodies.append(await response.text())
+        async with stack.http.get(stack.url + "/narwhal/static/secrets.txt") as response:
+            assert response.status == 404
+    assert bodies[0] == bodies[1] == bodies[2] and "<title>Narwhal fleet</title>" in bodies[0]
+    for body in bodies:
+        assert not re.search(r"(src|href)=\"https?:", body)
+        assert "cdn" not in body.lower()
