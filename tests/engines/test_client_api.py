@@ -1,0 +1,84 @@
+"""The public Python API: `EngineClient.prefill()` hands a `PrefillResult` to `decode()`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.protocol.errors import NarwhalError
+from narwhal.sim.faults import Fault
+from narwhal.sim.fleet import SimFleet
+from support import COMPLETION, FAST, direct_text
+
+ROUTE = "/v1/completions"
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with SimFleet([dataclasses.replace(FAST, name=n) for n in ("p0", "d0")]) as engines:
+        yield engines
+
+
+async def test_prefill_then_decode_yields_what_one_engine_alone_yields(fleet: SimFleet) -> None:
+    producer, consumer = fleet.engines
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        assert isinstance(result, PrefillResult)
+        assert result.producer_url == producer.url and result.endpoint == ROUTE
+        assert result.request_id
+        text = ""
+        async for event in client.decode(consumer.url, ROUTE, COMPLETION, result):
+            assert isinstance(event, dict)
+            for choice in event.get("choices", []):
+                text += choice["text"]
+    assert text == await direct_text(producer.url, ROUTE, COMPLETION)
+    assert producer.held_block_count() == 0
+    assert [r.request_id for r in consumer.received] == [result.request_id]
+
+
+async def test_parameters_are_a_detached_copy(fleet: SimFleet) -> None:
+    async with EngineClient() as client:
+        result = await client.prefill(fleet.engines[0].url, ROUTE, COMPLETION)
+    copy = result.parameters()
+    assert copy["remote_engine_id"] == fleet.engines[0].engine_id
+    copy["remote_engine_id"] = "changed"
+    copy["remote_block_ids"].append(999)
+    again = result.parameters()
+    assert again["remote_engine_id"] == fleet.engines[0].engine_id
+    assert 999 not in again["remote_block_ids"]
+
+
+async def test_a_bad_descriptor_raises_before_any_decode_request(fleet: SimFleet) -> None:
+    producer, consumer = fleet.engines
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        params = result.parameters()
+        params["remote_block_ids"] = [1, "two"]
+        tampered = dataclasses.replace(result, descriptor=orjson.dumps(params))
+        with pytest.raises(NarwhalError) as info:
+            async for _ in client.decode(consumer.url, ROUTE, COMPLETION, tampered):
+                pass
+    assert info.value.status == 502
+    assert "remote_block_ids" in info.value.message
+    assert len(consumer.received) == 0
+
+
+async def test_decode_failures_carry_the_status_the_router_would_answer(
+    fleet: SimFleet,
+) -> None:
+    producer, consumer = fleet.engines
+    consumer.set_fault(Fault.from_json({"phase": "decode", "done_before_token": True}))
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            async for _ in client.decode(
+                consumer.url, ROUTE, {**COMPLETION, "stream": True}, result
+            ):
+                pass
+    assert info.value.status == 502
+    assert info.value.message == "stream ended with [DONE] before any token arrived"
