@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
+
+    # Listed for --help only: main() hands every argument after `bench` to the harness.
+    sub.add_parser(
+        "bench",
+        help="benchmark the router against the direct path and peers (`narwhal bench --help`)",
+        add_help=False,
+    )
     return parser
 
 
@@ -56,7 +63,23 @@ def _add_log_format(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _bench(argv: list[str]) -> int:
+    """The harness lives in the source tree's benchmarks/, which is not installed."""
+    import importlib
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not (benchmarks / "router_bench.py").exists():
+        print("narwhal bench: needs a source checkout (benchmarks/)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(benchmarks))
+    status: int = importlib.import_module("router_bench").main(argv)
+    return status
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        sys.exit(_bench(argv[1:]))
     args = _parser().parse_args(argv)
     from narwhal import runtime
 
