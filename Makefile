@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit bench-sim
+.PHONY: run test lint check-types unit browser bench-sim
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,8 +22,16 @@ lint: $(STAMP)
 check-types: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) browser
 	$(PY) -m pytest
+
+# The fleet page is tested in Debian's chromium; install it where apt can (CI runs as root).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	} || echo "chromium could not be installed: the fleet page tests will be skipped"
 
 test: lint check-types unit
 
