@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,3 +37,12 @@ test: lint check-types unit
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py
+
+# `make bench` runs the router benchmark (Narwhal, the direct path, and vllm-router once
+# `make bench-setup` has installed it); pass flags with BENCH_ARGS="--shape long".
+bench: $(STAMP)
+	$(VENV)/bin/narwhal bench $(BENCH_ARGS)
+
+bench-setup: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	bash benchmarks/setup_peers.sh
