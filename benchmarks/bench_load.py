@@ -66,9 +66,9 @@ def gap_bucket(seconds: float) -> int:
 
 
 def bucket_seconds(bucket: int) -> float:
-    """A bucket's upper edge in seconds."""
+    """A bucket's upper edge in seconds; bucket 0 holds tokens read together, shown as 0."""
     if bucket == 0:
-        return _SMALLEST_GAP_S
+        return 0.0
     return float(_SMALLEST_GAP_S * 10 ** (bucket / BUCKETS_PER_DECADE))
 
 
