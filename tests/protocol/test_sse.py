@@ -149,3 +149,61 @@ def test_error_status_reads_both_shapes() -> None:
 def test_has_output_ignores_non_objects() -> None:
     assert not has_output("text")
     assert not has_output({"delta": "x"})
+
+
+def test_plain_blocks_are_forwarded_whole_and_partial_events_kept() -> None:
+    decoder = SseDecoder()
+    first = b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: {"c"'
+    assert decoder.feed_plain(first) == b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    assert decoder.feed_plain(b":3}") == b""
+    assert decoder.feed_plain(b"\n\n") == b'data: {"c":3}\n\n'
+    assert decoder.pending == 0
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b'data: {"error": {"code": 500}}\n\n',
+        b'data: {"choices":[],"usage":{}}\n\n',
+        b"data: [DONE]\n\n",
+        b'data: {"a":1}\r\n\r\n',
+        b'data: {"a":1}\n: comment\n\n',
+        b"data: not json\n\n",
+        b'event: x\ndata: {"a":1}\ndata: {"b":1}\n\n',
+    ],
+)
+def test_anything_needing_a_decision_is_left_to_feed(chunk: bytes) -> None:
+    decoder = SseDecoder()
+    assert decoder.feed_plain(chunk) is None
+    assert decoder.pending == 0
+    assert decoder.feed(chunk)
+
+
+@given(
+    events=st.lists(
+        st.sampled_from(
+            [
+                b'data: {"choices":[{"text":" x"}]}\n\n',
+                b'data: {"choices":[{"text":"data: {"}]}\n\n',
+                b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n',
+                b": keep-alive\n\n",
+                b"data: [DONE]\n\n",
+            ]
+        ),
+        max_size=12,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=600), max_size=6),
+)
+def test_the_fast_path_never_changes_what_is_decoded(events: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(events)
+    bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    fast, slow = SseDecoder(), SseDecoder()
+    via_fast: list[bytes] = []
+    for a, b in itertools.pairwise(bounds):
+        chunk = stream[a:b]
+        block = fast.feed_plain(chunk)
+        if block is None:
+            via_fast.extend(e.data for e in fast.feed(chunk))
+        else:
+            via_fast.extend(e.data for e in SseDecoder().feed(block))
+    assert via_fast == [e.data for e in slow.feed(stream)]

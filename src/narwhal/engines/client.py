@@ -302,20 +302,19 @@ class EngineClient:
         """The decode stream's events as dicts (generated output, metadata and usage)."""
         stream = await self.open_decode(consumer_url, endpoint, body, result)
         async with stream:
-            async for events in stream:
-                for event in events:
-                    payload = classify(event.data).payload
-                    if payload is not None:
-                        yield payload
+            async for payload in stream_payloads(stream):
+                yield payload
 
 
 class DecodeStream:
-    """An open decode leg past its first token: raw events out, failures raised.
+    """An open decode leg past its first token: engine bytes out, failures raised.
 
-    Iterating yields, per transport read, the events to forward (never `[DONE]` or an
-    error object). Silence between reads longer than `read_timeout_s` (0 = unbounded)
-    ends the stream with a 504. One clock read per chunk serves the watchdog and the gap
-    count (`gaps`, shared by the client's streams; the first gap starts at the first token).
+    Iterating yields, per transport read, the bytes to forward: whole events exactly as
+    the engine sent them, never `[DONE]` or an error object. A read whose complete events
+    need no decision is forwarded as one block without per-event work (see
+    `SseDecoder.feed_plain`). Silence between reads longer than `read_timeout_s`
+    (0 = unbounded) ends the stream with a 504. One clock read per chunk serves the
+    watchdog and the gap count (`gaps`, shared by the client's streams).
     """
 
     def __init__(
@@ -368,14 +367,15 @@ class DecodeStream:
     def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> list[SseEvent]:
+    async def __anext__(self) -> bytes:
         if self._first is not None:
             events, self._first = self._first, None
-            return events
+            return _joined(events)
         if self._backlog:
             events, self._backlog = self._decide(self._backlog), []
             if events:
-                return events
+                return _joined(events)
+        decoder = self._decoder
         while not self.done:
             chunk = await self._read()
             now = self._loop.time()
@@ -383,12 +383,17 @@ class DecodeStream:
             self._last_read = now
             if self._watchdog is not None:
                 self._watchdog.last = now
+            plain = decoder.feed_plain(chunk)
+            if plain:
+                return plain
+            if plain is not None:
+                continue
             try:
-                events = self._decide(self._decoder.feed(chunk))
+                events = self._decide(decoder.feed(chunk))
             except SseError as exc:
                 raise _bad_stream(exc, self.engine) from None
             if events:
-                return events
+                return _joined(events)
         raise StopAsyncIteration
 
     async def _read(self) -> bytes:
@@ -426,7 +431,7 @@ class DecodeStream:
                 decision = classify_after_first_output(event.data)
             except SseError as exc:
                 raise _bad_stream(exc, self.engine) from None
-            if decision is None or decision.kind is EventKind.OUTPUT:
+            if decision is None:
                 forward.append(event)
             elif decision.kind is EventKind.DONE:
                 self.done = True
@@ -440,6 +445,20 @@ class DecodeStream:
             else:
                 forward.append(event)
         return forward
+
+
+def _joined(events: list[SseEvent]) -> bytes:
+    return events[0].raw if len(events) == 1 else b"".join(event.raw for event in events)
+
+
+async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]:
+    """The forwarded events of a stream as parsed chunks, for callers that need them all."""
+    decoder = SseDecoder()
+    async for data in stream:
+        for event in decoder.feed(data):
+            payload = classify(event.data).payload
+            if payload is not None:
+                yield payload
 
 
 class _Watchdog:

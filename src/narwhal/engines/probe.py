@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.config import EngineSpec
-from narwhal.engines.client import EngineClient
+from narwhal.engines.client import EngineClient, stream_payloads
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
-from narwhal.protocol.sse import classify
 
 PROBE_PROMPT = "Narwhal probe: is this engine serving?"
 PROBE_TOKENS = 2
@@ -72,11 +71,9 @@ async def probe_transfer(
                 drop_usage=True,
             )
             async with stream:
-                async for events in stream:
-                    for event in events:
-                        payload = classify(event.data).payload or {}
-                        for choice in payload.get("choices") or ():
-                            pieces.append(str(choice.get("text") or ""))
+                async for payload in stream_payloads(stream):
+                    for choice in payload.get("choices") or ():
+                        pieces.append(str(choice.get("text") or ""))
     except TimeoutError:
         raise _slow(consumer, "decode", leg_timeout_s) from None
     return Transfer("".join(pieces), descriptor if isinstance(descriptor, dict) else None)

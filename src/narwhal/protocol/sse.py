@@ -67,6 +67,40 @@ class SseDecoder:
         self._buf = rest
         return events
 
+    def feed_plain(self, chunk: bytes) -> bytes | None:
+        """Fast path for relaying: the chunk's complete events as one block, if all are plain.
+
+        Plain means LF-framed, single-line `data: {...}` events with no error object, no
+        usage and no `[DONE]`: events that need no decision. Checked with a few C-level
+        scans of the whole block instead of per-event work. Returns None, consuming
+        nothing, when the caller must `feed()` the chunk instead; b"" when the chunk only
+        extends an unfinished event.
+        """
+        buf = self._buf + chunk if self._buf else chunk
+        if self._skip_lf or b"\r" in buf:
+            return None
+        cut = buf.rfind(b"\n\n") + 2
+        if cut == 1:
+            if len(buf) > self._max:
+                return None
+            self._buf = buf
+            return b""
+        block = buf[:cut]
+        events = block.count(b"\n\n")
+        if (
+            block.count(b"data: {") != events
+            or block.count(b"}\n\n") != events
+            or b'"error"' in block
+            or b'"usage"' in block
+            or not block.startswith(b"data: {")
+        ):
+            return None
+        rest = buf[cut:]
+        if len(rest) > self._max:
+            return None
+        self._buf = rest
+        return block
+
 
 def _split_lf(buf: bytes) -> tuple[list[SseEvent], bytes]:
     """Fast path for the usual `data: ...\\n\\n` framing."""

@@ -20,10 +20,9 @@ import orjson
 from aiohttp import web
 
 from narwhal.config import Config
-from narwhal.engines.client import DecodeStream, EngineClient, new_request_id
+from narwhal.engines.client import DecodeStream, EngineClient, new_request_id, stream_payloads
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
-from narwhal.protocol.sse import classify
 from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
@@ -497,8 +496,8 @@ async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.
     response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
     await response.prepare(request)
     call.committed = response
-    async for events in stream:
-        await response.write(events[0].raw if len(events) == 1 else b"".join(e.raw for e in events))
+    async for data in stream:
+        await response.write(data)
     await response.write(DONE_EVENT)
     call.output_tokens = _completion_tokens(stream.usage)
     call.status = 200
@@ -508,11 +507,8 @@ async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.
 
 async def _collect(stream: DecodeStream, call: Call) -> Assembler:
     assembler = Assembler(call.endpoint)
-    async for events in stream:
-        for event in events:
-            payload = classify(event.data).payload
-            if payload is not None:
-                assembler.add(payload)
+    async for payload in stream_payloads(stream):
+        assembler.add(payload)
     if stream.usage is not None:
         assembler.usage = stream.usage
     return assembler
