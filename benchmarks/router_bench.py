@@ -59,7 +59,7 @@ class BenchOptions:
     shape: str = "stream"
     max_tokens: int = DEFAULT_MAX_TOKENS
     concurrency: int = 64
-    requests: int = 1024
+    requests: int = 2048
     trials: int = 3
     inter_token_s: float = 0.0
     prefill_s_per_token: float = 0.0
@@ -902,19 +902,14 @@ def plot(report: BenchReport, path: Path) -> str:
     except ImportError:
         return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
-    for s in report.summaries:
+    for index, s in enumerate(report.summaries):
         rows = [b for b in report.batches if b["target"] == s.name]
-        left.scatter(
-            [b["tokens_per_s"] for b in rows],
-            [b["ttft_p50_s"] * 1000 for b in rows],
-            label=f"{s.name} TTFT p50",
-        )
-        left.scatter(
-            [b["tokens_per_s"] for b in rows],
-            [b["ttft_p99_s"] * 1000 for b in rows],
-            marker="x",
-            label=f"{s.name} TTFT p99",
-        )
+        throughput = [b["tokens_per_s"] for b in rows]
+        color = f"C{index}"
+        p50 = [b["ttft_p50_s"] * 1000 for b in rows]
+        p99 = [b["ttft_p99_s"] * 1000 for b in rows]
+        left.scatter(throughput, p50, color=color, label=f"{s.name} TTFT p50")
+        left.scatter(throughput, p99, color=color, marker="x", label=f"{s.name} TTFT p99")
     left.set_xlabel("tokens/s relayed (one point per batch)")
     left.set_ylabel("client TTFT (ms)")
     left.legend(fontsize="small")
@@ -953,7 +948,7 @@ def parser() -> argparse.ArgumentParser:
     add("--shape", choices=["stream", *SHAPES], default="stream", help="request shape")
     add("--max-tokens", type=int, help="output tokens per request (overrides the shape's)")
     add("--concurrency", type=int, default=64, help="concurrent clients")
-    add("--requests", type=int, help="requests per batch (default: 16 per client, >= 200)")
+    add("--requests", type=int, help="requests per batch (default: 32 per client, >= 1000)")
     add("--trials", type=int, default=3, help="interleaved trials (one batch per target)")
     add("--inter-token-s", type=float, default=0.0, help="the engines' decode step")
     add("--prefill-s-per-token", type=float, default=0.0, help="the engines' prefill cost")
@@ -982,7 +977,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         shape=shape,
         max_tokens=max_tokens,
         concurrency=args.concurrency,
-        requests=args.requests or max(200, 16 * args.concurrency),
+        requests=args.requests or max(1000, 32 * args.concurrency),
         trials=args.trials,
         inter_token_s=args.inter_token_s,
         prefill_s_per_token=args.prefill_s_per_token,
