@@ -46,6 +46,8 @@ MODEL = "narwhal-sim"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 START_TIMEOUT_S = 60.0
+ANSWER_LIMIT = 256 * 2**20
+"""Longest answer line from a load process: it carries every request's latencies."""
 
 SHAPES = {"short": 64, "long": 1024, "mixed-nonstream": 256}
 """Output tokens per request for each shape (the mix varies them per request)."""
@@ -173,6 +175,7 @@ class Proc:
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if stdin else out,
                 stderr=out,
+                limit=ANSWER_LIMIT,
             )
         return cls(name, process, log)
 
