@@ -75,7 +75,7 @@ async def test_random_faults_and_disconnects_leave_nothing_behind(
         for engine in stack.fleet.engines:
             engine.clear_faults()
         await settled(stack)
-        lines = [line for line in await stack.journal(REQUESTS) if line["type"] == "request"]
+        lines = await stack.journal(REQUESTS, kind="request")
 
     assert len(lines) == REQUESTS
     assert len({line["request_id"] for line in lines}) == REQUESTS
