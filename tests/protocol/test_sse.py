@@ -207,3 +207,22 @@ def test_the_fast_path_never_changes_what_is_decoded(events: list[bytes], cuts: 
         else:
             via_fast.extend(e.data for e in SseDecoder().feed(block))
     assert via_fast == [e.data for e in slow.feed(stream)]
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_a_limit_takes_events_one_at_a_time_and_keeps_the_rest(newline: bytes) -> None:
+    decoder = SseDecoder()
+    stream = frame(PAYLOADS, newline)
+    taken = [e.data for e in decoder.feed(stream, limit=1)]
+    while True:
+        more = decoder.feed(b"", limit=1)
+        if not more:
+            break
+        taken += [e.data for e in more]
+    assert taken == PAYLOADS and decoder.pending == 0
+
+
+def test_events_kept_by_a_limit_are_not_mistaken_for_an_oversized_event() -> None:
+    decoder = SseDecoder(max_event_bytes=32)
+    events = decoder.feed(b"data: {}\n\n" * 10, limit=1)
+    assert len(events) == 1 and decoder.feed_plain(b"") == b"data: {}\n\n" * 9

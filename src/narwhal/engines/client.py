@@ -214,27 +214,30 @@ class EngineClient:
                             f"decode stream from engine {name} closed before any token",
                             name,
                         )
+                    # One event at a time: what follows the first token stays buffered
+                    # for the stream, which relays it as a block.
                     try:
-                        events = decoder.feed(chunk)
+                        events = decoder.feed(chunk, limit=1)
+                        while events:
+                            event = events[0]
+                            kind = _classify_pre_output(event, name)
+                            if kind is EventKind.OUTPUT:
+                                held.append(event)
+                                return DecodeStream(
+                                    response,
+                                    name,
+                                    self.decode_read_timeout_s,
+                                    decoder,
+                                    first=held,
+                                    drop_usage=drop_usage,
+                                    on_close=self._leg_closed,
+                                    gaps=self.gaps,
+                                )
+                            if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
+                                held.append(event)
+                            events = decoder.feed(b"", limit=1)
                     except SseError as exc:
                         raise _bad_stream(exc, name) from None
-                    for index, event in enumerate(events):
-                        kind = _classify_pre_output(event, name)
-                        if kind is EventKind.OUTPUT:
-                            held.append(event)
-                            return DecodeStream(
-                                response,
-                                name,
-                                self.decode_read_timeout_s,
-                                decoder,
-                                first=held,
-                                backlog=events[index + 1 :],
-                                drop_usage=drop_usage,
-                                on_close=self._leg_closed,
-                                gaps=self.gaps,
-                            )
-                        if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
-                            held.append(event)
         except aiohttp.ClientError as exc:
             self._leg_closed()
             _close(response)
@@ -325,7 +328,6 @@ class DecodeStream:
         decoder: SseDecoder,
         *,
         first: list[SseEvent],
-        backlog: list[SseEvent],
         drop_usage: bool,
         on_close: Callable[[], None],
         gaps: TokenGaps,
@@ -336,7 +338,8 @@ class DecodeStream:
         self._response = response
         self._decoder = decoder
         self._first: list[SseEvent] | None = first
-        self._backlog = backlog
+        # The decoder may still hold events that arrived with the first token.
+        self._buffered = True
         self._drop_usage = drop_usage
         self._on_close: Callable[[], None] | None = on_close
         self._gaps = gaps
@@ -371,18 +374,18 @@ class DecodeStream:
         if self._first is not None:
             events, self._first = self._first, None
             return _joined(events)
-        if self._backlog:
-            events, self._backlog = self._decide(self._backlog), []
-            if events:
-                return _joined(events)
         decoder = self._decoder
         while not self.done:
-            chunk = await self._read()
-            now = self._loop.time()
-            self._gaps.add(now - self._last_read)
-            self._last_read = now
-            if self._watchdog is not None:
-                self._watchdog.last = now
+            if self._buffered:
+                self._buffered = False
+                chunk = b""
+            else:
+                chunk = await self._read()
+                now = self._loop.time()
+                self._gaps.add(now - self._last_read)
+                self._last_read = now
+                if self._watchdog is not None:
+                    self._watchdog.last = now
             plain = decoder.feed_plain(chunk)
             if plain:
                 return plain

@@ -50,19 +50,24 @@ class SseDecoder:
         """Bytes held for an event not yet terminated."""
         return len(self._buf)
 
-    def feed(self, chunk: bytes) -> list[SseEvent]:
+    def feed(self, chunk: bytes, limit: int = 0) -> list[SseEvent]:
+        """Complete events, in order; with `limit`, at most that many, the rest kept.
+
+        A limit lets a reader look at events one at a time and leave the remainder
+        buffered for `feed_plain`, instead of splitting a large chunk it will forward whole.
+        """
         if self._skip_lf and chunk:
             self._skip_lf = False
             if chunk.startswith(b"\n"):
                 chunk = chunk[1:]
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
-            events, rest = _split_general(buf)
+            events, rest = _split_general(buf, limit)
             if not rest and buf.endswith(b"\r"):
                 self._skip_lf = True
         else:
-            events, rest = _split_lf(buf)
-        if len(rest) > self._max:
+            events, rest = _split_lf(buf, limit)
+        if len(rest) > self._max and not (limit and len(events) == limit):
             raise SseError(f"an event exceeded {self._max} bytes without ending")
         self._buf = rest
         return events
@@ -102,13 +107,13 @@ class SseDecoder:
         return block
 
 
-def _split_lf(buf: bytes) -> tuple[list[SseEvent], bytes]:
+def _split_lf(buf: bytes, limit: int = 0) -> tuple[list[SseEvent], bytes]:
     """Fast path for the usual `data: ...\\n\\n` framing."""
     events: list[SseEvent] = []
     start = 0
     while True:
         end = buf.find(b"\n\n", start)
-        if end < 0:
+        if end < 0 or (limit and len(events) == limit):
             return events, buf[start:]
         block = buf[start:end]
         if block.startswith(b"data: ") and b"\n" not in block:
@@ -120,7 +125,7 @@ def _split_lf(buf: bytes) -> tuple[list[SseEvent], bytes]:
         start = end + 2
 
 
-def _split_general(buf: bytes) -> tuple[list[SseEvent], bytes]:
+def _split_general(buf: bytes, limit: int = 0) -> tuple[list[SseEvent], bytes]:
     """Any mix of CR, LF and CRLF.
 
     A trailing CR after a non-empty line waits for a possible LF; one that ends an event
@@ -130,7 +135,7 @@ def _split_general(buf: bytes) -> tuple[list[SseEvent], bytes]:
     lines: list[bytes] = []
     event_start = pos = 0
     size = len(buf)
-    while pos < size:
+    while pos < size and not (limit and len(events) == limit):
         lf = buf.find(b"\n", pos)
         cr = buf.find(b"\r", pos, lf if lf >= 0 else size)
         if cr >= 0:
