@@ -7,8 +7,9 @@ was the bottleneck. Each stdin line is one JSON job; each answer is one JSON lin
 Jobs:
 - `{"job": "batch", ...}`: drive one target with concurrent clients for a fixed number of
   requests; answers a `BatchResult` as JSON.
-- `{"job": "idle", ...}`: open streams that stay open, answer once all have their first
-  token, then hold them until the next line arrives (any line), and answer again.
+- `{"job": "idle", ...}`: open streams that stay open, answer once each has its first token
+  or has failed (or the open deadline has passed), then hold them until the next line
+  arrives (any line), and answer again.
 
 The SSE parsing is deliberately minimal: split events, count those carrying generated text,
 note the time of the first one. Only the direct path parses JSON, once, for the prefill's
@@ -279,9 +280,11 @@ async def run_idle(job: dict[str, Any], lines: asyncio.StreamReader) -> None:
         {"model": job["model"], "prompt": PROMPT, "max_tokens": job["max_tokens"], "stream": True}
     )
 
+    deadline = asyncio.get_running_loop().time() + job["open_timeout_s"]
+
     async def hold(session: aiohttp.ClientSession) -> None:
         try:
-            async with opened:
+            async with opened, asyncio.timeout_at(deadline):
                 response = await session.post(
                     url + "/v1/completions",
                     data=body,
@@ -294,6 +297,8 @@ async def run_idle(job: dict[str, Any], lines: asyncio.StreamReader) -> None:
             first_tokens.put_nowait(None)
             await release.wait()
             response.close()
+        except TimeoutError:
+            first_tokens.put_nowait(f"no first token within {job['open_timeout_s']:g} s")
         except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
             first_tokens.put_nowait(f"{type(exc).__name__}: {exc}")
 

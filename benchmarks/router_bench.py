@@ -759,6 +759,7 @@ async def run_idle(options: BenchOptions, streams: int, workdir: Path) -> list[I
                 "max_tokens": 16,
                 "model": MODEL,
                 "open_concurrency": 256,
+                "open_timeout_s": 60.0 + streams / 50,
             }
             opened = await load.ask(job)
             seconds = time.perf_counter() - started
