@@ -78,7 +78,7 @@ def problem(data: object) -> str:
 
 def test_sections_left_out_take_their_documented_defaults() -> None:
     config = parse_config(MINIMAL)
-    assert config.server == ServerConfig("127.0.0.1", 8000, 30.0, (), ())
+    assert config.server == ServerConfig("127.0.0.1", 8000, 30.0, 30.0, (), ())
     assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 480.0, None, None)
     assert config.serving == ServingConfig(600.0, 1, 10, 0.1, 4_194_304, 1024, 30.0)
     assert config.recovery == RecoveryConfig(3, 10.0, 0.0, RestartPolicy.INDIVIDUAL)
@@ -184,6 +184,7 @@ REFUSED = [
     ("server.port", 65536, "must be an integer in 0..65535, got 65536"),
     ("server.host", "", 'must be a non-empty string, got ""'),
     ("server.graceful_timeout_s", -0.5, "must be a number >= 0, got -0.5"),
+    ("server.client_timeout_s", 0, "must be a number > 0, got 0"),
     ("engine.first_token_timeout_s", 0, "must be a number > 0, got 0"),
     ("engine.decode_read_timeout_s", -1, "must be a number >= 0, got -1"),
     ("engine.prefill_timeout_s", 0.0, "must be a number > 0, got 0.0"),
@@ -260,6 +261,7 @@ INT_PATHS = [
 ]
 FLOAT_PATHS = [
     "server.graceful_timeout_s",
+    "server.client_timeout_s",
     "engine.first_token_timeout_s",
     "engine.decode_read_timeout_s",
     "engine.prefill_timeout_s",
@@ -722,6 +724,7 @@ def fleets(draw: st.DrawFn) -> dict[str, Any]:
         host=st.sampled_from(["127.0.0.1", "0.0.0.0", "router.internal"]),
         port=st.integers(0, 65535),
         graceful_timeout_s=short_or_zero,
+        client_timeout_s=short,
         api_keys=st.lists(texts, max_size=3),
         admin_api_keys=st.lists(texts, max_size=3),
     )

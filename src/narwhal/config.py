@@ -57,6 +57,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     graceful_timeout_s: float = 30.0
+    # A client must send a request's headers, and then its body, within this; idle
+    # keep-alive connections are closed after it too.
+    client_timeout_s: float = 30.0
     # Kept out of repr so that logging a config never logs a credential.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -532,6 +535,7 @@ def _server(table: _Table) -> ServerConfig:
         host=table.string("host", d.host),
         port=table.integer("port", d.port, 0, 65535),
         graceful_timeout_s=table.number("graceful_timeout_s", d.graceful_timeout_s, zero_ok=True),
+        client_timeout_s=table.number("client_timeout_s", d.client_timeout_s),
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
         api_keys_env=_env_name(table, "api_keys_env"),

@@ -146,8 +146,13 @@ class RouterServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
+        # The keep-alive timer runs from a connection's opening (or last answer) until a
+        # request's headers are complete: it bounds idle and slow-header clients alike.
         self._runner = web.AppRunner(
-            build_app(self.router, self.secrets), handler_cancellation=True, access_log=None
+            build_app(self.router, self.secrets),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.router.config.server.client_timeout_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)

@@ -356,7 +356,9 @@ class Router:
 
     async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
         client_request = parse_client_request(
-            call.endpoint, await _read_body(request), self.config.model
+            call.endpoint,
+            await _read_body(request, self.config.server.client_timeout_s),
+            self.config.model,
         )
         call.stream = client_request.stream
         reservation, stream = await self._open(call, client_request)
@@ -481,13 +483,18 @@ class Router:
         return True
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise client_error(
             413,
             f"request body exceeds {request.client_max_size} bytes (serving.max_request_bytes)",
+        ) from None
+    except TimeoutError:
+        raise client_error(
+            408, f"request body not received within {timeout_s:g} s (server.client_timeout_s)"
         ) from None
 
 
@@ -534,12 +541,20 @@ async def _answer_error(
 ) -> web.StreamResponse:
     """An HTTP error before the 200; a terminal SSE error event after it."""
     if call.committed is None:
-        return web.Response(
+        response = web.Response(
             status=error.status,
             body=error.json(),
             content_type="application/json",
             headers={"X-Request-Id": call.request_id, **error.headers()},
         )
+        if error.status == 408:
+            # A client too slow to send its body gets no more time: close once the answer
+            # is out, rather than linger reading the rest.
+            with contextlib.suppress(ConnectionResetError):
+                await response.prepare(request)
+                await response.write_eof()
+            request.protocol.force_close()
+        return response
     try:
         await call.committed.write(error.sse_event())
         await call.committed.write_eof()
