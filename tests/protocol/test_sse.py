@@ -174,9 +174,19 @@ def test_plain_blocks_are_forwarded_whole_and_partial_events_kept() -> None:
 )
 def test_anything_needing_a_decision_is_left_to_feed(chunk: bytes) -> None:
     decoder = SseDecoder()
-    assert decoder.feed_plain(chunk) is None
+    assert decoder.feed_plain(chunk) == b""
+    assert decoder.ready()
+    assert decoder.feed(b"")
     assert decoder.pending == 0
-    assert decoder.feed(chunk)
+
+
+def test_the_plain_run_before_a_decision_is_relayed_whole() -> None:
+    decoder = SseDecoder()
+    plain = b'data: {"choices":[{"text":" a"}]}\n\n' * 3
+    tail = b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n'
+    assert decoder.feed_plain(plain + tail) == plain
+    assert decoder.ready()
+    assert [e.data for e in decoder.feed(b"")] == [tail[6:-16], b"[DONE]"]
 
 
 @given(
@@ -200,12 +210,10 @@ def test_the_fast_path_never_changes_what_is_decoded(events: list[bytes], cuts: 
     fast, slow = SseDecoder(), SseDecoder()
     via_fast: list[bytes] = []
     for a, b in itertools.pairwise(bounds):
-        chunk = stream[a:b]
-        block = fast.feed_plain(chunk)
-        if block is None:
-            via_fast.extend(e.data for e in fast.feed(chunk))
-        else:
-            via_fast.extend(e.data for e in SseDecoder().feed(block))
+        block = fast.feed_plain(stream[a:b])
+        via_fast.extend(e.data for e in SseDecoder().feed(block))
+        if fast.ready():
+            via_fast.extend(e.data for e in fast.feed(b""))
     assert via_fast == [e.data for e in slow.feed(stream)]
 
 

@@ -387,12 +387,15 @@ class DecodeStream:
                 if self._watchdog is not None:
                     self._watchdog.last = now
             plain = decoder.feed_plain(chunk)
+            if decoder.ready():
+                self._buffered = True
             if plain:
                 return plain
-            if plain is not None:
+            if not self._buffered:
                 continue
+            self._buffered = False
             try:
-                events = self._decide(decoder.feed(chunk))
+                events = self._decide(decoder.feed(b""))
             except SseError as exc:
                 raise _bad_stream(exc, self.engine) from None
             if events:

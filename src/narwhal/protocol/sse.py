@@ -72,39 +72,49 @@ class SseDecoder:
         self._buf = rest
         return events
 
-    def feed_plain(self, chunk: bytes) -> bytes | None:
-        """Fast path for relaying: the chunk's complete events as one block, if all are plain.
+    def feed_plain(self, chunk: bytes) -> bytes:
+        """Fast path for relaying: take the chunk, return its leading plain events as one block.
 
-        Plain means LF-framed, single-line `data: {...}` events with no error object, no
-        usage and no `[DONE]`: events that need no decision. Checked with a few C-level
-        scans of the whole block instead of per-event work. Returns None, consuming
-        nothing, when the caller must `feed()` the chunk instead; b"" when the chunk only
-        extends an unfinished event.
+        Plain means LF-framed `data: {...}` events before any error object, usage chunk or
+        `[DONE]`: events that need no decision, found with a few C-level scans instead of
+        per-event work. Returns b"" when there are none. Whatever follows the block stays
+        buffered: when `ready()`, the caller takes it with `feed(b"")`.
         """
+        if self._skip_lf and chunk:
+            self._skip_lf = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
         buf = self._buf + chunk if self._buf else chunk
-        if self._skip_lf or b"\r" in buf:
-            return None
-        cut = buf.rfind(b"\n\n") + 2
+        self._buf = buf
+        if b"\r" in buf:
+            return b""
+        end = len(buf)
+        for marker in _DECISION_MARKERS:
+            at = buf.find(marker, 0, end)
+            if at >= 0:
+                end = at
+        cut = buf.rfind(b"\n\n", 0, end) + 2
         if cut == 1:
-            if len(buf) > self._max:
-                return None
-            self._buf = buf
             return b""
         block = buf[:cut]
         events = block.count(b"\n\n")
         if (
-            block.count(b"data: {") != events
+            not block.startswith(b"data: {")
+            or block.count(b"data: {") != events
             or block.count(b"}\n\n") != events
-            or b'"error"' in block
-            or b'"usage"' in block
-            or not block.startswith(b"data: {")
         ):
-            return None
-        rest = buf[cut:]
-        if len(rest) > self._max:
-            return None
-        self._buf = rest
+            return b""
+        self._buf = buf[cut:]
         return block
+
+    def ready(self) -> bool:
+        """Whether `feed(b"")` has something to do: a complete event, or an oversized one."""
+        buf = self._buf
+        return b"\n\n" in buf or b"\r" in buf or len(buf) > self._max
+
+
+# Events that need a decision; a plain block ends before the first of them.
+_DECISION_MARKERS = (b'"error"', b'"usage"', b"data: [DONE]")
 
 
 def _split_lf(buf: bytes, limit: int = 0) -> tuple[list[SseEvent], bytes]:
