@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from narwhal.config import parse_config
-from narwhal.router.app import RouterServer, wait_for_signal
+from narwhal.router.app import RouterServer, stop_signal
 from narwhal.sim.fleet import SimFleet
 from narwhal.sim.options import SimOptions
 
@@ -59,11 +59,12 @@ async def run_dev(host: str, port: int, journal: str | None) -> int:
             },
             source="narwhal dev",
         )
+        stopping = stop_signal()
         server = RouterServer(config)
         await server.start()
         print(banner(server.url, fleet), flush=True)
         try:
-            await wait_for_signal()
+            await stopping.wait()
         finally:
             await server.shutdown(config.server.graceful_timeout_s)
     return 0

@@ -185,9 +185,12 @@ async def test_a_malformed_descriptor_is_502_and_no_decode_is_sent(
         arm(stack.engine("p0"), phase="prefill", descriptor=defect)
         status, body = await stack.post("/v1/completions", STREAM)
         assert status == 502
-        assert "engine" in body["error"]["message"] and fragment in body["error"]["message"]
+        message = body["error"]["message"]
+        assert message.startswith("engine p0 sent a bad handoff descriptor") and fragment in message
         assert len(stack.engine("d0").received) == 0
-        await settled(stack)
+        state = await settled(stack)
+        p0 = state["engines"][0]
+        assert p0["failures"] == {"descriptor": 1} and p0["streak"] == 1
 
 
 async def test_a_failed_kv_pull_surfaces_as_the_consumers_error(

@@ -174,6 +174,7 @@ class EngineClient:
             prompt_tokens=prompt_tokens,
             same_worker=same_worker,
             kv_hosts=tuple(kv_hosts),
+            producer=name,
         )
 
     # Leg 2 ---------------------------------------------------------------------------
@@ -276,7 +277,7 @@ class EngineClient:
         if result.descriptor is None or consumer_url == result.producer_url:
             # Never point a descriptor at its own engine: the prefix cache serves it.
             return None
-        name = result.producer_url
+        name = result.producer or result.producer_url
         params = result.parameters()
         defect = check_descriptor(params) or check_handoff(
             prefill_connector=result.connector,

@@ -29,6 +29,8 @@ class PrefillResult:
     same_worker: bool = False
     # Hosts besides the producer's own that its descriptor may send consumers to.
     kv_hosts: tuple[str, ...] = ()
+    # The producer's name in errors (its engine id when the router knows it).
+    producer: str = ""
 
     def parameters(self) -> Any:
         """A detached copy of the descriptor; changing it changes nothing here."""

@@ -180,10 +180,11 @@ def _bound_port(site: web.TCPSite) -> int:
     return port
 
 
-async def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+def stop_signal() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM; install it before announcing readiness, so that a
+    signal sent right after the announcement drains instead of killing the process."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop

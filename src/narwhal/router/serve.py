@@ -8,7 +8,7 @@ from pathlib import Path
 
 from narwhal.config import ConfigError, load_config
 from narwhal.preflight import format_report, run_preflight
-from narwhal.router.app import RouterServer, wait_for_signal
+from narwhal.router.app import RouterServer, stop_signal
 from narwhal.secrets import SecretsError, load_secrets
 
 
@@ -31,11 +31,15 @@ async def run_serve(
             print(format_report(rows), file=sys.stderr)
             print("preflight failed; not serving (--skip-preflight overrides)", file=sys.stderr)
             return 1
+    stopping = stop_signal()
     server = RouterServer(config, host, port, secrets=secrets)
     await server.start()
-    print(f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines")
+    print(
+        f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines",
+        flush=True,
+    )
     try:
-        await wait_for_signal()
+        await stopping.wait()
     finally:
         await server.shutdown(config.server.graceful_timeout_s)
     return 0
