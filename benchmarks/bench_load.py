@@ -186,7 +186,8 @@ class Client:
             if response.status != 200:
                 raise RuntimeError(f"prefill HTTP {response.status}: {raw[:200]!r}")
         descriptor = orjson.loads(raw).get("kv_transfer_params")
-        decode = {**call.body, "stream": True, "kv_transfer_params": descriptor}
+        # The decode keeps the client's `stream`: a non-streaming client gets one answer.
+        decode = {**call.body, "kv_transfer_params": descriptor}
         return self._target.consumer + call.route, decode, headers
 
 
