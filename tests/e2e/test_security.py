@@ -61,6 +61,21 @@ async def test_operator_routes_need_the_admin_key_and_health_is_open(
             assert response.status == 200
         async with stack.http.get(stack.url + "/health") as response:
             assert response.status == 200
+        async with stack.http.get(stack.url + "/metrics") as response:
+            assert response.status == 401
+
+
+async def test_the_fleet_page_loads_without_a_key_but_its_data_needs_one(
+    make_stack: StackFactory,
+) -> None:
+    async with make_stack(secrets=SECRETS) as stack:
+        for path in ("/", "/narwhal/", "/narwhal/static/fleet.js"):
+            async with stack.http.get(stack.url + path) as response:
+                assert response.status == 200, path
+                if path.endswith(".js"):
+                    assert "Authorization" in await response.text()
+        async with stack.http.get(stack.url + "/narwhal/state") as response:
+            assert response.status == 401
 
 
 async def test_engines_get_the_engine_key_and_never_the_clients(

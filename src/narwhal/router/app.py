@@ -33,8 +33,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return web.Response(status=exc.status, body=error.json(), content_type="application/json")
 
 
+# Health, and the fleet page's own files: they hold no data (the page asks for the admin
+# key when `/narwhal/state` needs one).
+OPEN_PATHS = frozenset({"/health", "/", "/narwhal", "/narwhal/"})
+
+
 def authentication(secrets: Secrets) -> Middleware:
-    """Bearer keys: client keys for `/v1/*`, admin keys for operator routes; `/health` is open.
+    """Bearer keys: client keys for `/v1/*`, admin keys for operator data; see `OPEN_PATHS`.
 
     A kind of route with no keys configured is open.
     """
@@ -42,7 +47,7 @@ def authentication(secrets: Secrets) -> Middleware:
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        if path == "/health":
+        if path in OPEN_PATHS or path.startswith("/narwhal/static/"):
             keys: tuple[bytes, ...] = ()
         elif path.startswith("/v1/"):
             keys = secrets.client_keys

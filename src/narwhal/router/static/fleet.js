@@ -153,9 +153,19 @@ function render(state) {
   status.textContent = word === "serving" ? "serving" : `${word}: ${down} of ${state.engines.length} engines out`;
 }
 
+// Routers with admin keys guard /narwhal/state; the key is kept for this tab only.
+let adminKey = sessionStorage.getItem("narwhal-admin-key");
+
 async function poll() {
   try {
-    const response = await fetch("/narwhal/state", { cache: "no-store" });
+    const headers = adminKey ? { Authorization: `Bearer ${adminKey}` } : {};
+    const response = await fetch("/narwhal/state", { cache: "no-store", headers });
+    if (response.status === 401) {
+      adminKey = window.prompt("This router needs its admin key to show the fleet:");
+      if (adminKey) sessionStorage.setItem("narwhal-admin-key", adminKey);
+      else sessionStorage.removeItem("narwhal-admin-key");
+      throw new Error("admin key required");
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     render(await response.json());
   } catch (error) {
