@@ -540,8 +540,22 @@ def _close(response: aiohttp.ClientResponse | None) -> None:
         response.close()
 
 
+async def _read_upto(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or its first `limit + 1` bytes when it is longer.
+
+    One `read(n)` returns only what has arrived so far, which may be part of a short body.
+    """
+    raw = bytearray()
+    while len(raw) <= limit:
+        chunk = await response.content.read(limit + 1 - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    return bytes(raw)
+
+
 async def _read_bounded(response: aiohttp.ClientResponse, limit: int, engine: str) -> bytes:
-    raw = await response.content.read(limit + 1)
+    raw = await _read_upto(response, limit)
     if len(raw) > limit:
         raise engine_error(
             Cause.BAD_RESPONSE, f"engine {engine} answered more than {limit} bytes", engine
@@ -552,8 +566,7 @@ async def _read_bounded(response: aiohttp.ClientResponse, limit: int, engine: st
 async def _status_error(response: aiohttp.ClientResponse, engine: str, leg: str) -> NarwhalError:
     """A non-200 answer: the engine's own message, with the status's meaning decided once."""
     try:
-        raw = await response.content.read(MAX_ERROR_BODY_BYTES)
-        payload = orjson.loads(raw)
+        payload = orjson.loads(await _read_upto(response, MAX_ERROR_BODY_BYTES))
         _, message = error_status(payload) if isinstance(payload, dict) else (0, "")
     except (aiohttp.ClientError, orjson.JSONDecodeError):
         message = ""
