@@ -50,7 +50,8 @@ class Assembler:
             self._text.append(delta["content"])
         if isinstance(delta.get("reasoning_content"), str):
             self._reasoning.append(delta["reasoning_content"])
-        for call in delta.get("tool_calls") or ():
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             if isinstance(call, dict):
                 self._merge_tool_call(call)
 
