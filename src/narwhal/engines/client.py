@@ -462,8 +462,12 @@ async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]
     """The forwarded events of a stream as parsed chunks, for callers that need them all."""
     decoder = SseDecoder()
     async for data in stream:
-        for event in decoder.feed(data):
-            payload = classify(event.data).payload
+        try:
+            payloads = [classify(event.data).payload for event in decoder.feed(data)]
+        except SseError as exc:
+            # Relayed events only had their framing checked; here each must parse.
+            raise _bad_stream(exc, stream.engine) from None
+        for payload in payloads:
             if payload is not None:
                 yield payload
 
