@@ -1,0 +1,662 @@
+"""Bad input from engines: whatever an engine answers, the request ends as a correct 502/504,
+a terminal error event, or a 200 when the answer was actually valid; the router never crashes
+and leaves nothing behind.
+
+A scripted fake engine stands in for each leg, behind the real router over real sockets.
+Before the first token every event is parsed; after it a streaming client gets the engine's
+events as they were sent (each framed as a JSON object), while a non-streaming answer is
+assembled from events that must all parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from narwhal.config import parse_config
+from narwhal.protocol.sse import SseDecoder
+from narwhal.router.app import RouterServer
+from support import MODEL
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class Script:
+    """One scripted answer: `pieces` written one at a time with `pause_s` between them, then
+    `forever` repeated until the router hangs up, or the connection cut (`cut`). A pause
+    of 0 still yields to the event loop between writes."""
+
+    pieces: tuple[bytes, ...]
+    status: int = 200
+    content_type: str = "text/event-stream"
+    pause_s: float | None = None
+    forever: bytes | None = None
+    cut: bool = False
+
+    def bytewise(self, pause_s: float = 0.0) -> Script:
+        """The same bytes, each its own write: split at every byte boundary."""
+        joined = b"".join(self.pieces)
+        return replace(
+            self, pieces=tuple(joined[i : i + 1] for i in range(len(joined))), pause_s=pause_s
+        )
+
+
+class FakeEngine:
+    """Answers every inference request with its script; counts handlers still running."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.bodies: list[dict[str, Any]] = []
+        self.active = 0
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post(COMPLETIONS, self._answer)
+        app.router.add_post(CHAT, self._answer)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert isinstance(server, asyncio.Server)
+        self.port = server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        try:
+            self.bodies.append(await request.json())
+            script = self.script
+            response = web.StreamResponse(
+                status=script.status, headers={"Content-Type": script.content_type}
+            )
+            await response.prepare(request)
+            rest = itertools.repeat(script.forever) if script.forever is not None else ()
+            for piece in itertools.chain(script.pieces, rest):
+                await response.write(piece)
+                if script.pause_s is not None:
+                    await asyncio.sleep(script.pause_s)
+            if script.cut:
+                request.protocol.force_close()
+            else:
+                await response.write_eof()
+            return response
+        finally:
+            self.active -= 1
+
+
+# Answers ----------------------------------------------------------------------------------
+
+DESCRIPTOR: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "fake-producer",
+    "remote_block_ids": [1, 2, 3],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+
+
+def prefill_answer(descriptor: object = DESCRIPTOR, **changes: Any) -> bytes:
+    answer: dict[str, Any] = {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        "kv_transfer_params": descriptor,
+        **changes,
+    }
+    return orjson.dumps(answer)
+
+
+def json_script(raw: bytes, status: int = 200) -> Script:
+    return Script((raw,), status=status, content_type="application/json")
+
+
+def event(payload: object, end: bytes = b"\n\n") -> bytes:
+    data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    return b"data: " + data + end
+
+
+def chunk(text: object, route: str = COMPLETIONS, finish: object = None) -> dict[str, Any]:
+    if route == CHAT:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+    else:
+        choice = {"index": 0, "text": text}
+    kind = "chat.completion.chunk" if route == CHAT else "text_completion"
+    choice["finish_reason"] = finish
+    return {"id": "cmpl-fake", "object": kind, "model": MODEL, "choices": [choice]}
+
+
+TOKENS = ("The", " sea", " is", " deep")
+METADATA = {"id": "cmpl-fake", "object": "text_completion", "choices": [{"index": 0, "text": ""}]}
+USAGE = {"id": "cmpl-fake", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}
+DONE = event(b"[DONE]")
+
+
+def stream(
+    *middle: bytes, route: str = COMPLETIONS, end: bytes = b"\n\n", done: bytes | None = None
+) -> Script:
+    """A valid stream (first token, `middle`, more tokens, usage, [DONE]) with line ends `end`."""
+    first, *rest = TOKENS
+    pieces = [event(chunk(first, route), end), *middle]
+    pieces += [event(chunk(text, route), end) for text in rest]
+    pieces += [event(USAGE, end), event(b"[DONE]", end) if done is None else done]
+    return Script(tuple(pieces))
+
+
+def before_first_token(*pieces: bytes) -> Script:
+    return Script((event(METADATA), *pieces, *stream().pieces))
+
+
+GOOD_PREFILL = json_script(prefill_answer())
+GOOD_STREAM = stream()
+
+
+# The stack --------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeStack:
+    router: RouterServer
+    producer: FakeEngine
+    consumer: FakeEngine
+    journal_path: Path
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+
+@asynccontextmanager
+async def fake_stack(
+    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 0.8
+) -> AsyncIterator[FakeStack]:
+    """Router → fake producer p0 and fake consumer d0, with short engine timeouts."""
+    producer, consumer = FakeEngine(prefill), FakeEngine(decode)
+    await producer.start()
+    await consumer.start()
+    journal_path = tmp_path / "journal.jsonl"
+    config = parse_config(
+        {
+            "model": MODEL,
+            "journal": {"path": str(journal_path)},
+            "engine": {
+                "first_token_timeout_s": 0.4,
+                "decode_read_timeout_s": 0.4,
+                "prefill_timeout_s": 0.4,
+            },
+            "serving": {"request_timeout_s": deadline_s, "queue_timeout_s": 0.4},
+            # Every answer here is bad on purpose: never eject for it.
+            "recovery": {"eject_after": 1_000_000},
+            "engines": [
+                {"id": "p0", "url": producer.url, "role": "prefill"},
+                {"id": "d0", "url": consumer.url, "role": "decode"},
+            ],
+        }
+    )
+    router = RouterServer(config, port=0)
+    await router.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield FakeStack(router, producer, consumer, journal_path, http)
+    finally:
+        await router.stop()
+        await producer.stop()
+        await consumer.stop()
+
+
+async def nothing_left(stack: FakeStack) -> None:
+    """No request in flight, no engine leg open, no seat held, and each fake hung up on."""
+    state: dict[str, Any] = {}
+    for _ in range(200):
+        async with stack.http.get(stack.url + "/narwhal/state") as response:
+            state = await response.json()
+        fakes_idle = not stack.producer.active and not stack.consumer.active
+        if not state["in_flight"] and not state["open_engine_legs"] and fakes_idle:
+            break
+        await asyncio.sleep(0.01)
+    assert state["in_flight"] == 0 and state["queued"] == 0
+    assert state["open_engine_legs"] == 0
+    for engine in state["engines"]:
+        assert engine["seats"]["prefill"]["in_use"] == 0
+        assert engine["seats"]["decode"]["in_use"] == 0
+    assert stack.producer.active == 0 and stack.consumer.active == 0
+
+
+def events_of(raw: bytes) -> list[bytes]:
+    """The data of every event a client received (our own decoder: any line ends)."""
+    return [e.data for e in SseDecoder(max_event_bytes=1 << 30).feed(raw)]
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+
+    @property
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+async def ask(stack: FakeStack, route: str, stream: bool) -> Answer:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "stream": stream}
+    if route == CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    async with stack.http.post(stack.url + route, json=body) as response:
+        return Answer(response.status, await response.read())
+
+
+def terminal_code(answer: Answer) -> int | None:
+    """The code of the error event ending a committed stream, or None if it ended cleanly."""
+    assert answer.status == 200
+    events = events_of(answer.body)
+    assert events and events[-1] == b"[DONE]", answer.body[-200:]
+    last = orjson.loads(events[-2]) if len(events) > 1 else {}
+    code = last.get("error", {}).get("code") if isinstance(last, dict) else None
+    return code if isinstance(code, int) else None
+
+
+def output_of(payload: dict[str, Any], route: str) -> str:
+    """The generated text in one event (none in metadata or usage events)."""
+    if not payload.get("choices"):
+        return ""
+    choice = payload["choices"][0]
+    return str(choice.get("text") or "" if route == COMPLETIONS else choice["delta"]["content"])
+
+
+def text_of(answer: Answer, route: str) -> str:
+    choice = answer.json["choices"][0]
+    return str(choice["text"] if route == COMPLETIONS else choice["message"]["content"])
+
+
+async def journal(stack: FakeStack, count: int) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for _ in range(200):
+        if stack.journal_path.exists():
+            lines = [orjson.loads(line) for line in stack.journal_path.read_bytes().splitlines()]
+            lines = [line for line in lines if line["type"] == "request"]
+            if len(lines) >= count:
+                break
+        await asyncio.sleep(0.01)
+    return lines
+
+
+# Streams that are actually valid ---------------------------------------------------------
+
+VALID_STREAMS = {
+    "lf": stream(),
+    "cr": stream(end=b"\r\r"),
+    "crlf": stream(end=b"\r\n\r\n"),
+    "chat": stream(route=CHAT),
+    "metadata, comments and other fields": before_first_token(
+        b": keep-alive\n\n", b"event: ping\nid: 7\nretry: 10\n\n", event(METADATA)
+    ),
+    "done without a space": stream(done=b"data:[DONE]\n\n"),
+    "bytes after done": stream(done=DONE + b'data: {"late": true}\n\ngarbage'),
+    "a large event": stream(event(chunk("y" * 900_000))),
+}
+
+
+@pytest.mark.parametrize("name", VALID_STREAMS)
+async def test_a_valid_stream_is_relayed_and_assembled_whatever_its_line_ends(
+    tmp_path: Path, name: str
+) -> None:
+    script = VALID_STREAMS[name]
+    route = CHAT if name == "chat" else COMPLETIONS
+    async with fake_stack(tmp_path, GOOD_PREFILL, script) as stack:
+        streamed = await ask(stack, route, stream=True)
+        assert terminal_code(streamed) is None
+        sent = [e.data for e in SseDecoder(max_event_bytes=1 << 30).feed(b"".join(script.pieces))]
+        sent = sent[: sent.index(b"[DONE]")]
+        relayed = events_of(streamed.body)
+        assert [e for e in relayed if e != b"[DONE]"] == [e for e in sent if b'"usage"' not in e]
+        whole = await ask(stack, route, stream=False)
+        assert whole.status == 200
+        assert text_of(whole, route) == "".join(output_of(orjson.loads(e), route) for e in sent)
+        await nothing_left(stack)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+async def test_a_stream_split_at_every_byte_boundary_is_relayed_intact(
+    tmp_path: Path, route: str
+) -> None:
+    script = stream(route=route, end=b"\r\n\r\n").bytewise(pause_s=0.001)
+    async with fake_stack(tmp_path, GOOD_PREFILL.bytewise(), script, deadline_s=5.0) as stack:
+        streamed = await ask(stack, route, stream=True)
+        assert terminal_code(streamed) is None
+        # The router read each byte after the first token on its own.
+        after_first = len(script.pieces) - len(event(chunk("The", route), b"\r\n\r\n"))
+        assert stack.router.router.client.gaps.count >= after_first * 0.9
+        texts = [orjson.loads(e)["choices"][0] for e in events_of(streamed.body)[:-1]]
+        pieces = [c["text"] if route == COMPLETIONS else c["delta"]["content"] for c in texts]
+        assert pieces == list(TOKENS)
+        stack.consumer.script = replace(script, pause_s=0.0)
+        whole = await ask(stack, route, stream=False)
+        assert whole.status == 200 and text_of(whole, route) == "".join(TOKENS)
+        await nothing_left(stack)
+
+
+# Streams that are not ---------------------------------------------------------------------
+
+HUGE = b'data: {"choices": [{"text": "' + b"z" * (1 << 20)
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A broken decode stream and how it must end: `status` for a non-streaming request and
+    for a stream that fails before its first token, else a terminal event with `status`."""
+
+    script: Script
+    status: int
+    cause: str
+    after_first_token: bool
+    route: str = COMPLETIONS
+
+
+BAD_STREAMS = {
+    "oversized event before the first token": Bad(
+        Script((event(METADATA), HUGE)), 502, "bad_response", False
+    ),
+    "oversized event after it": Bad(
+        Script((event(chunk("a")), HUGE[:1000]), forever=b"z" * 65536, pause_s=0.0),
+        502,
+        "bad_response",
+        True,
+    ),
+    "invalid json before the first token": Bad(
+        before_first_token(b'data: {"choices": [}\n\n'), 502, "bad_response", False
+    ),
+    "junk after the first token": Bad(stream(b"data: nope\n\n"), 502, "bad_response", True),
+    "not an object after the first token": Bad(stream(event([1, 2])), 502, "bad_response", True),
+    "choices not a list before the first token": Bad(
+        before_first_token(event({"choices": {"text": "a"}})), 502, "bad_response", False
+    ),
+    "no choices before the first token": Bad(
+        before_first_token(event({"id": "x"})), 502, "bad_response", False
+    ),
+    "metadata forever before the first token": Bad(
+        Script((event(METADATA),), forever=event(METADATA), pause_s=0.01),
+        504,
+        "first_token_timeout",
+        False,
+    ),
+    "comments forever before the first token": Bad(
+        Script((b": hi\n\n",), forever=b": hi\n\n", pause_s=0.01),
+        504,
+        "first_token_timeout",
+        False,
+    ),
+    "metadata forever after it": Bad(
+        Script((event(chunk("a")),), forever=event(METADATA), pause_s=0.01),
+        504,
+        "deadline",
+        True,
+    ),
+    "silence after the first token": Bad(
+        Script((event(chunk("a")),), forever=b"", pause_s=0.05), 504, "silence", True
+    ),
+    "done before any token": Bad(Script((event(METADATA), DONE)), 502, "done_before_token", False),
+    "done with a trailing space": Bad(stream(done=b"data: [DONE] \n\n"), 502, "bad_response", True),
+    "done in lower case": Bad(stream(done=b"data: [done]\n\n"), 502, "bad_response", True),
+    "done never terminated": Bad(stream(done=b"data: [DONE]"), 502, "closed_early", True),
+    "no done, clean close": Bad(stream(done=b""), 502, "closed_early", True),
+    "cut mid-event": Bad(
+        Script((event(chunk("a")), b'data: {"cho'), cut=True), 502, "closed_early", True
+    ),
+    "cut before any byte": Bad(Script((), cut=True), 502, "closed_early", False),
+    "a json answer instead of a stream": Bad(
+        Script((prefill_answer(),), content_type="application/json"),
+        502,
+        "closed_early",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD_STREAMS)
+async def test_a_broken_stream_ends_in_a_502_or_504_or_a_terminal_event(
+    tmp_path: Path, name: str
+) -> None:
+    bad = BAD_STREAMS[name]
+    async with fake_stack(tmp_path, GOOD_PREFILL, bad.script) as stack:
+        streamed = await ask(stack, bad.route, stream=True)
+        if bad.after_first_token:
+            assert terminal_code(streamed) == bad.status
+        else:
+            assert streamed.status == bad.status
+            assert streamed.json["error"]["code"] == bad.status
+        whole = await ask(stack, bad.route, stream=False)
+        assert whole.status == bad.status, whole.body[:300]
+        assert whole.json["error"]["code"] == bad.status
+        await nothing_left(stack)
+        lines = await journal(stack, 2)
+        assert [line["cause"] for line in lines] == [bad.cause, bad.cause]
+
+
+WEIRD_CODES: list[tuple[Any, int]] = [
+    ({"error": {"message": "m", "code": "503"}}, 500),
+    ({"error": {"message": "m", "code": 200}}, 500),
+    ({"error": {"message": "m", "code": 99999}}, 500),
+    ({"error": {"message": "m", "code": True}}, 500),
+    ({"error": {"message": "m", "code": None}}, 500),
+    ({"error": {"message": "m", "code": 503.0}}, 500),
+    ({"error": {"message": "m", "code": 429}}, 429),
+    ({"error": {"message": 5, "code": 503}}, 503),
+    ({"error": "a bare string"}, 500),
+    ({"error": [1, 2]}, 500),
+    ({"object": "error", "message": "older shape", "code": 503}, 503),
+]
+
+
+@pytest.mark.parametrize(("error", "status"), WEIRD_CODES)
+async def test_an_error_object_keeps_a_valid_status_and_any_other_code_is_500(
+    tmp_path: Path, error: Any, status: int
+) -> None:
+    async with fake_stack(tmp_path, GOOD_PREFILL, before_first_token(event(error))) as stack:
+        before = await ask(stack, COMPLETIONS, stream=True)
+        assert before.status == status and before.json["error"]["code"] == status
+        assert isinstance(before.json["error"]["message"], str)
+        stack.consumer.script = stream(event(error))
+        assert terminal_code(await ask(stack, COMPLETIONS, stream=True)) == status
+        assert (await ask(stack, COMPLETIONS, stream=False)).status == status
+        await nothing_left(stack)
+
+
+# Wrong types in known fields --------------------------------------------------------------
+
+WRONG_TYPES = {
+    "text a number": (COMPLETIONS, chunk(5)),
+    "text a list": (COMPLETIONS, chunk(["a"])),
+    "choice not an object": (COMPLETIONS, {"choices": ["a"]}),
+    "delta a string": (CHAT, {"choices": [{"index": 0, "delta": "hello"}]}),
+    "content an object": (CHAT, chunk({"a": 1}, CHAT)),
+    "tool_calls a number": (CHAT, {"choices": [{"index": 0, "delta": {"tool_calls": 5}}]}),
+    "tool_calls of junk": (
+        CHAT,
+        {"choices": [{"index": 0, "delta": {"tool_calls": [1, {"index": "x", "function": 3}]}}]},
+    ),
+    "finish_reason a list": (COMPLETIONS, chunk("", finish=["x"])),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_TYPES)
+async def test_wrongly_typed_fields_are_relayed_as_sent_and_left_out_of_an_assembled_answer(
+    tmp_path: Path, name: str
+) -> None:
+    route, odd = WRONG_TYPES[name]
+    async with fake_stack(tmp_path, GOOD_PREFILL, stream(event(odd), route=route)) as stack:
+        streamed = await ask(stack, route, stream=True)
+        assert terminal_code(streamed) is None
+        assert orjson.dumps(odd) in events_of(streamed.body)
+        whole = await ask(stack, route, stream=False)
+        assert whole.status == 200, whole.body[:300]
+        assert text_of(whole, route) == "".join(TOKENS)
+        await nothing_left(stack)
+
+
+async def test_a_non_streaming_answer_from_an_event_that_does_not_parse_is_502(
+    tmp_path: Path,
+) -> None:
+    script = stream(b"data: {not json}\n\n", event({"no": "choices"}))
+    async with fake_stack(tmp_path, GOOD_PREFILL, script) as stack:
+        whole = await ask(stack, COMPLETIONS, stream=False)
+        assert whole.status == 502 and "malformed stream" in whole.json["error"]["message"]
+        # Streamed, the same events reach the client as the engine sent them.
+        streamed = await ask(stack, COMPLETIONS, stream=True)
+        assert terminal_code(streamed) is None and b"{not json}" in events_of(streamed.body)
+        await nothing_left(stack)
+
+
+# Decode answers that are not a stream -----------------------------------------------------
+
+DECODE_STATUSES: list[tuple[Script, int]] = [
+    (json_script(b"<html>oops</html>", 500), 502),
+    (json_script(b'{"error": {"message": "prompt too long", "code": 400}}', 400), 400),
+    (json_script(b'{"error": "flat"}', 422), 422),
+    (json_script(b"x" * (1 << 20), 503), 502),
+    (json_script(b"", 401), 502),
+    (json_script(b"{}", 504), 504),
+]
+
+
+@pytest.mark.parametrize(("script", "status"), DECODE_STATUSES)
+async def test_a_decode_error_status_is_relayed_for_client_faults_and_502_or_504_otherwise(
+    tmp_path: Path, script: Script, status: int
+) -> None:
+    async with fake_stack(tmp_path, GOOD_PREFILL, script) as stack:
+        for streaming in (True, False):
+            answer = await ask(stack, COMPLETIONS, stream=streaming)
+            assert answer.status == status and answer.json["error"]["code"] == status
+        await nothing_left(stack)
+
+
+# Prefill answers --------------------------------------------------------------------------
+
+BAD_PREFILLS: dict[str, tuple[Script, int, str]] = {
+    "not json": (json_script(b"<html>"), 502, "bad_response"),
+    "a json array": (json_script(b"[1, 2]"), 502, "bad_response"),
+    "missing choices": (json_script(b'{"id": "x"}'), 502, "bad_response"),
+    "choices not a list": (json_script(prefill_answer(choices={})), 502, "bad_response"),
+    "huge": (json_script(b'{"a": "' + b"b" * (9 << 20) + b'"}'), 502, "bad_response"),
+    "empty": (json_script(b""), 502, "bad_response"),
+    "cut short": (Script((prefill_answer()[:40],), cut=True), 502, "connect"),
+    "never finished": (
+        Script((prefill_answer()[:40],), forever=b" ", pause_s=0.05),
+        504,
+        "prefill_timeout",
+    ),
+    "descriptor a string": (json_script(prefill_answer("abc")), 502, "descriptor"),
+    "descriptor a number": (json_script(prefill_answer(5)), 502, "descriptor"),
+    "descriptor a list": (json_script(prefill_answer([DESCRIPTOR])), 502, "descriptor"),
+    "engine id a number": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_engine_id": 5})),
+        502,
+        "descriptor",
+    ),
+    "block ids of strings": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_block_ids": ["1"]})),
+        502,
+        "descriptor",
+    ),
+    "block ids with a boolean": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_block_ids": [[1], [True]]})),
+        502,
+        "descriptor",
+    ),
+    "block ids a number": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_block_ids": 3})),
+        502,
+        "descriptor",
+    ),
+    "host a number": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_host": 5})),
+        502,
+        "descriptor",
+    ),
+    "host elsewhere": (
+        json_script(prefill_answer({**DESCRIPTOR, "remote_host": "10.9.9.9"})),
+        502,
+        "descriptor",
+    ),
+    "error status with junk": (json_script(b"\xff\xfe", 500), 502, "http_status"),
+    "client fault status": (
+        json_script(b'{"object": "error", "message": "bad field", "code": 400}', 400),
+        400,
+        "bad_request",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PREFILLS)
+async def test_a_malformed_prefill_answer_fails_the_request_and_no_decode_is_sent(
+    tmp_path: Path, name: str
+) -> None:
+    script, status, cause = BAD_PREFILLS[name]
+    async with fake_stack(tmp_path, script, GOOD_STREAM) as stack:
+        for streaming in (True, False):
+            answer = await ask(stack, COMPLETIONS, stream=streaming)
+            assert answer.status == status, answer.body[:300]
+            assert answer.json["error"]["code"] == status
+        assert stack.consumer.bodies == []
+        await nothing_left(stack)
+        lines = await journal(stack, 2)
+        assert [line["cause"] for line in lines] == [cause, cause]
+
+
+ODD_BUT_VALID_PREFILLS: dict[str, tuple[Script, object]] = {
+    "descriptor null": (json_script(prefill_answer(None)), None),
+    "descriptor absent": (json_script(b'{"choices": []}'), None),
+    "descriptor inside the first choice": (
+        json_script(orjson.dumps({"choices": [{"text": "x", "kv_transfer_params": DESCRIPTOR}]})),
+        DESCRIPTOR,
+    ),
+    "an escaped member name": (json_script(b'{"choice\\u0073": [{"text": "x"}]}'), None),
+    "usage of wrong types": (json_script(prefill_answer(usage={"prompt_tokens": "5"})), DESCRIPTOR),
+    "split at every byte": (GOOD_PREFILL.bytewise(), DESCRIPTOR),
+    "unknown descriptor fields": (
+        json_script(prefill_answer({**DESCRIPTOR, "x": [{"y": None}]})),
+        {**DESCRIPTOR, "x": [{"y": None}]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ODD_BUT_VALID_PREFILLS)
+async def test_an_odd_but_valid_prefill_answer_hands_off_its_descriptor_or_recomputes(
+    tmp_path: Path, name: str
+) -> None:
+    script, descriptor = ODD_BUT_VALID_PREFILLS[name]
+    async with fake_stack(tmp_path, script, GOOD_STREAM) as stack:
+        answer = await ask(stack, COMPLETIONS, stream=False)
+        assert answer.status == 200, answer.body[:300]
+        (decode,) = stack.consumer.bodies
+        assert decode.get("kv_transfer_params") == descriptor
+        await nothing_left(stack)
