@@ -315,18 +315,20 @@ async def start_sim(name: str, port: int, settings: SimSettings, workdir: Path) 
     raise RuntimeError(f"{name} did not start; log:\n{proc.tail()}")
 
 
-async def wait_healthy(proc: Proc, url: str) -> None:
-    """Poll GET /health until it answers 200."""
+async def wait_healthy(proc: Proc | None, url: str) -> None:
+    """Poll GET /health until it answers 200; `proc` is None for a router we did not start."""
     deadline = time.monotonic() + START_TIMEOUT_S
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            proc.check_alive()
+            if proc is not None:
+                proc.check_alive()
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with session.get(url + "/health") as response:
                     if response.status == 200:
                         return
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"{proc.name} did not become healthy at {url}; log:\n{proc.tail()}")
+    log = f"; log:\n{proc.tail()}" if proc is not None else ""
+    raise RuntimeError(f"{proc.name if proc else url} did not become healthy at {url}{log}")
 
 
 def narwhal_config(
@@ -627,6 +629,8 @@ async def _run_bench(options: BenchOptions, workdir: Path) -> BenchReport:
             say(f"vllm-router: {url} (pid {bench.pids['vllm-router']}, {options.vllm_router})")
         pids = dict(options.target_pids)
         for name, url in options.targets:
+            # Another router may still be finding the engines the bench just started.
+            await wait_healthy(None, url)
             bench.targets.append(Target(name, url=url))
             if name in pids:
                 bench.pids[name] = pids[name]
