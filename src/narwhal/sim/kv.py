@@ -141,6 +141,8 @@ class SideChannel:
         self._writers.add(writer)
         try:
             line = await reader.readline()
+            if writer.is_closing():
+                return  # the engine died while the pull was on its way
             writer.write(orjson.dumps(self._answer(line)) + b"\n")
             await writer.drain()
         except ConnectionError:
