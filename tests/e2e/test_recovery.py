@@ -113,6 +113,7 @@ async def test_a_probe_without_its_producer_is_inconclusive(make_stack: StackFac
     async with make_stack(recovery=QUICK) as stack:
         await fail_decodes(stack, "d0", 2)
         stack.server.router.fleet.by_id["p0"].ejected = True
+        await stack.engine("p0").crash()
         await asyncio.sleep(0.5)
         d0 = await engine_state(stack, "d0", "ejected")
         assert d0["probes"].get("inconclusive", 0) >= 2

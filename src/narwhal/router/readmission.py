@@ -8,7 +8,9 @@ Every `recovery.readmit_interval_s`, each ejected engine is judged in order:
 3. a probe: a real tiny handoff, each leg bounded by `engine.first_token_timeout_s`. An
    engine ejected as the consumer of a crossed decode is probed with a fresh handoff from
    that same producer; otherwise the probe exercises the roles the engine serves (its own
-   prefill and decode for `both`, else paired with an admitted partner).
+   prefill and decode for `both`, else paired with an admitted partner, or, when no engine
+   of the other phase is admitted, an ejected one: otherwise a fleet whose every engine
+   was ejected could never probe its way back).
 
 A probe that cannot be run or judged is inconclusive (neither success nor failure): the
 partner it needs is not admitted, has no free seat, or the partner's own leg failed.
@@ -151,14 +153,19 @@ class Readmission:
         if role.can_prefill and role.can_decode:
             return engine, engine
         if role.can_prefill:
-            consumers = self.fleet.admitted(Phase.DECODE)
+            consumers = self._partners(Phase.DECODE, engine)
             if not consumers:
-                return Verdict(INCONCLUSIVE, "no admitted consumer to decode the probe")
+                return Verdict(INCONCLUSIVE, "no consumer to decode the probe")
             return engine, min(consumers, key=Engine.load)
-        producers = self.fleet.admitted(Phase.PREFILL)
+        producers = self._partners(Phase.PREFILL, engine)
         if not producers:
-            return Verdict(INCONCLUSIVE, "no admitted producer to prefill the probe")
+            return Verdict(INCONCLUSIVE, "no producer to prefill the probe")
         return min(producers, key=Engine.load), engine
+
+    def _partners(self, phase: Phase, engine: Engine) -> list[Engine]:
+        """Admitted engines serving `phase`, or, when there are none, the ejected ones."""
+        admitted = self.fleet.admitted(phase)
+        return admitted or [e for e in self.fleet.engines if e.serves(phase) and e is not engine]
 
     def _passed(self, engine: Engine) -> None:
         if not self.whole_wave or engine.id not in self.wave:
