@@ -25,7 +25,7 @@ from aiohttp import web
 
 from narwhal.config import parse_config
 from narwhal.protocol.sse import SseDecoder
-from narwhal.router.app import RouterServer
+from narwhal.router.app import RouterServer, bound_port
 from support import MODEL
 
 COMPLETIONS = "/v1/completions"
@@ -77,9 +77,7 @@ class FakeEngine:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.Server)
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = bound_port(site)
 
     async def stop(self) -> None:
         if self._runner is not None:

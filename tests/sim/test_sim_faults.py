@@ -175,7 +175,7 @@ async def test_phase_selects_prefill_or_decode_requests(sim: Sim) -> None:
 async def test_hang_delays_the_response_headers(sim: Sim) -> None:
     engine = await sim.start(faults_enabled=True)
     headers_at, events = await _timed_events(sim, engine, BODY, _header(hang_s=0.3))
-    assert headers_at >= 0.3
+    assert headers_at >= 0.29
     assert events[-1][1] == b"data: [DONE]"
 
 
@@ -183,7 +183,7 @@ async def test_first_token_delay_comes_after_the_headers(sim: Sim) -> None:
     engine = await sim.start(faults_enabled=True, faults=(Fault(first_token_delay_s=0.3),))
     headers_at, events = await _timed_events(sim, engine, BODY)
     assert headers_at < 0.2
-    assert events[0][0] >= 0.3
+    assert events[0][0] >= 0.29  # the event loop's clock is millisecond-grained
 
 
 async def test_silence_pauses_the_stream_after_k_tokens(sim: Sim) -> None:
@@ -193,7 +193,7 @@ async def test_silence_pauses_the_stream_after_k_tokens(sim: Sim) -> None:
     times = [at for at, _ in events]
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     assert gaps.index(max(gaps)) == 2  # between token 3 and token 4
-    assert max(gaps) >= 0.3
+    assert max(gaps) >= 0.29
     assert len(events) == 11 and events[-1][1] == b"data: [DONE]"
 
 
@@ -313,7 +313,7 @@ async def test_kv_pull_delay_slows_the_decode_while_blocks_stay_held(sim: Sim) -
     await asyncio.sleep(0.1)
     assert producer.held_block_count() > 0
     elapsed, stream = await decode
-    assert elapsed >= 0.3
+    assert elapsed >= 0.29
     assert stream.done and len(stream.output_events) == 10
     assert producer.held_block_count() == 0
 

@@ -1,4 +1,4 @@
-"""The engine client: both legs of a handoff over one pooled, keep-alive HTTP session.
+"""The engine client: both legs of a handoff over pooled keep-alive connections.
 
 `prefill()` runs leg 1 and captures the descriptor; `open_decode()` runs leg 2 up to the
 first generated token (so the first-token deadline covers connect, headers and the KV
@@ -22,9 +22,18 @@ import orjson
 from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.hosts import HostResolver
+from narwhal.engines.http import (
+    KEEPALIVE_S,
+    ConnectFailed,
+    Connection,
+    ConnectionPool,
+    HttpError,
+    TooLarge,
+    request_bytes,
+)
 from narwhal.protocol.bodies import decode_body, prefill_body
 from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
-from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from narwhal.protocol.errors import CLIENT_FAULT_STATUSES, Cause, NarwhalError, engine_error
 from narwhal.protocol.jsonspan import first_element_span, member_spans
 from narwhal.protocol.sse import (
     EventKind,
@@ -36,8 +45,6 @@ from narwhal.protocol.sse import (
     error_status,
 )
 
-# vLLM closes idle keep-alive connections after 5 s; drop ours a little before that.
-KEEPALIVE_S = 4.0
 MAX_PREFILL_ANSWER_BYTES = 8 << 20
 MAX_ERROR_BODY_BYTES = 64 << 10
 # Pre-output metadata events kept for the client; more than this carry nothing new.
@@ -81,10 +88,12 @@ class EngineClient:
         self.prefill_timeout_s = prefill_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self.decode_read_timeout_s = decode_read_timeout_s
-        self._headers = {"Content-Type": "application/json", **(headers or {})}
+        extra = {"Content-Type": "application/json", **(headers or {})}
+        self._headers = "".join(f"{k}: {v}\r\n" for k, v in extra.items()).encode()
         self._ca_bundle = ca_bundle
         self._hosts = HostResolver()
         self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
         # Legs under way: a prefill awaiting its answer or a decode stream not yet closed.
         self.open_legs = 0
         # Gaps between reads of every decode stream past its first token, for metrics.
@@ -92,7 +101,10 @@ class EngineClient:
 
     async def __aenter__(self) -> Self:
         # https:// engines are verified against the system store, or `ca_bundle` if given.
-        tls = ssl.create_default_context(cafile=self._ca_bundle) if self._ca_bundle else True
+        context = ssl.create_default_context(cafile=self._ca_bundle) if self._ca_bundle else None
+        self._pool = ConnectionPool(connect_timeout_s=self.connect_timeout_s, tls=context)
+        tls: ssl.SSLContext | bool = context or True
+        # Health and identity checks (off the request path) use a general client.
         connector = aiohttp.TCPConnector(
             limit=0, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True, ssl=tls
         )
@@ -113,6 +125,9 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -120,9 +135,13 @@ class EngineClient:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         return self._session
 
-    def _post(self, url: str, data: bytes, request_id: str) -> Any:
-        headers = {**self._headers, "X-Request-Id": request_id}
-        return self.session.post(url, data=data, headers=headers)
+    async def _post(self, url: str, endpoint: str, body: bytes, request_id: str) -> Connection:
+        """Send one leg's POST; returns the connection once the answer's head is in."""
+        if self._pool is None:
+            raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
+        origin = self._pool.origin(url)
+        data = request_bytes(endpoint, origin, self._headers, request_id, body)
+        return await self._pool.send(origin, data)
 
     # Leg 1 ---------------------------------------------------------------------------
 
@@ -147,14 +166,20 @@ class EngineClient:
         started_at = asyncio.get_running_loop().time()
         data = prefill_body(body, crossed=not same_worker)
         self.open_legs += 1
+        connection: Connection | None = None
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                async with self._post(producer_url + endpoint, data, request_id) as response:
-                    if response.status != 200:
-                        raise await _status_error(response, name, "prefill")
-                    raw = await _read_bounded(response, MAX_PREFILL_ANSWER_BYTES, name)
-        except aiohttp.ClientError as exc:
-            # Before TimeoutError: aiohttp's connect timeout is both.
+                connection = await self._post(producer_url, endpoint, data, request_id)
+                if connection.status != 200:
+                    raise await _status_error(connection, name, "prefill")
+                raw = await connection.read_all(MAX_PREFILL_ANSWER_BYTES)
+        except TooLarge:
+            raise engine_error(
+                Cause.BAD_RESPONSE,
+                f"engine {name} answered more than {MAX_PREFILL_ANSWER_BYTES} bytes",
+                name,
+            ) from None
+        except HttpError as exc:
             raise _transport_error(exc, name, "prefill") from None
         except TimeoutError:
             raise engine_error(
@@ -164,6 +189,9 @@ class EngineClient:
             ) from None
         finally:
             self.open_legs -= 1
+            if connection is not None:
+                # Back to the pool only when its answer was read to the end.
+                connection.release()
         descriptor, prompt_tokens = _parse_prefill_answer(raw, name)
         return PrefillResult(
             producer_url=producer_url,
@@ -199,16 +227,16 @@ class EngineClient:
         descriptor = await self._checked_descriptor(consumer_url, endpoint, result, connector)
         data = decode_body(body, descriptor)
         self.open_legs += 1
-        response: aiohttp.ClientResponse | None = None
+        connection: Connection | None = None
         decoder = SseDecoder()
         held: list[SseEvent] = []
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
-                response = await self._post(consumer_url + endpoint, data, result.request_id)
-                if response.status != 200:
-                    raise await _status_error(response, name, "decode")
+                connection = await self._post(consumer_url, endpoint, data, result.request_id)
+                if connection.status != 200:
+                    raise await _status_error(connection, name, "decode")
                 while True:
-                    chunk = await response.content.readany()
+                    chunk = await connection.read()
                     if not chunk:
                         raise engine_error(
                             Cause.CLOSED_EARLY,
@@ -225,7 +253,7 @@ class EngineClient:
                             if kind is EventKind.OUTPUT:
                                 held.append(event)
                                 return DecodeStream(
-                                    response,
+                                    connection,
                                     name,
                                     self.decode_read_timeout_s,
                                     decoder,
@@ -239,10 +267,10 @@ class EngineClient:
                             events = decoder.feed(b"", limit=1)
                     except SseError as exc:
                         raise _bad_stream(exc, name) from None
-        except aiohttp.ClientError as exc:
+        except HttpError as exc:
             self._leg_closed()
-            _close(response)
-            if response is None:
+            _close(connection)
+            if connection is None:
                 raise _transport_error(exc, name, "decode") from None
             raise engine_error(
                 Cause.CLOSED_EARLY,
@@ -251,7 +279,7 @@ class EngineClient:
             ) from None
         except TimeoutError:
             self._leg_closed()
-            _close(response)
+            _close(connection)
             raise engine_error(
                 Cause.FIRST_TOKEN_TIMEOUT,
                 f"engine {name} produced no token within the first-token timeout "
@@ -260,7 +288,7 @@ class EngineClient:
             ) from None
         except BaseException:
             self._leg_closed()
-            _close(response)
+            _close(connection)
             raise
 
     def _leg_closed(self) -> None:
@@ -323,7 +351,7 @@ class DecodeStream:
 
     def __init__(
         self,
-        response: aiohttp.ClientResponse,
+        connection: Connection,
         engine: str,
         read_timeout_s: float,
         decoder: SseDecoder,
@@ -336,7 +364,7 @@ class DecodeStream:
         self.engine = engine
         self.usage: dict[str, Any] | None = None
         self.done = False
-        self._response = response
+        self._connection = connection
         self._decoder = decoder
         self._first: list[SseEvent] | None = first
         # The decoder may still hold events that arrived with the first token.
@@ -347,7 +375,7 @@ class DecodeStream:
         self._loop = asyncio.get_running_loop()
         self._last_read = self._loop.time()
         self._watchdog = (
-            _Watchdog(self._loop, read_timeout_s, response.close) if read_timeout_s else None
+            _Watchdog(self._loop, read_timeout_s, connection.close) if read_timeout_s else None
         )
 
     async def __aenter__(self) -> Self:
@@ -360,10 +388,10 @@ class DecodeStream:
         """Release the connection to the pool after [DONE]; otherwise close it (aborts)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
-        if self.done and self._response.content.at_eof():
-            self._response.release()
+        if self.done and self._connection.complete:
+            self._connection.release()
         else:
-            self._response.close()
+            self._connection.close()
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
@@ -401,12 +429,21 @@ class DecodeStream:
                 raise _bad_stream(exc, self.engine) from None
             if events:
                 return _joined(events)
+        await self._finish()
         raise StopAsyncIteration
+
+    async def _finish(self) -> None:
+        """After [DONE], read to the end of the answer so the connection can be reused."""
+        try:
+            while await self._connection.read():
+                pass
+        except HttpError:
+            pass
 
     async def _read(self) -> bytes:
         try:
-            chunk = await self._response.content.readany()
-        except aiohttp.ClientError as exc:
+            chunk = await self._connection.read()
+        except HttpError as exc:
             self._raise_if_silent()
             raise engine_error(
                 Cause.CLOSED_EARLY,
@@ -539,53 +576,30 @@ def _host_of(url: str) -> str:
     return urlsplit(url).hostname or ""
 
 
-def _close(response: aiohttp.ClientResponse | None) -> None:
-    if response is not None:
-        response.close()
+def _close(connection: Connection | None) -> None:
+    if connection is not None:
+        connection.close()
 
 
-async def _read_upto(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, or its first `limit + 1` bytes when it is longer.
-
-    One `read(n)` returns only what has arrived so far, which may be part of a short body.
-    """
-    raw = bytearray()
-    while len(raw) <= limit:
-        chunk = await response.content.read(limit + 1 - len(raw))
-        if not chunk:
-            break
-        raw += chunk
-    return bytes(raw)
-
-
-async def _read_bounded(response: aiohttp.ClientResponse, limit: int, engine: str) -> bytes:
-    raw = await _read_upto(response, limit)
-    if len(raw) > limit:
-        raise engine_error(
-            Cause.BAD_RESPONSE, f"engine {engine} answered more than {limit} bytes", engine
-        )
-    return raw
-
-
-async def _status_error(response: aiohttp.ClientResponse, engine: str, leg: str) -> NarwhalError:
+async def _status_error(connection: Connection, engine: str, leg: str) -> NarwhalError:
     """A non-200 answer: the engine's own message, with the status's meaning decided once."""
     try:
-        payload = orjson.loads(await _read_upto(response, MAX_ERROR_BODY_BYTES))
+        payload = orjson.loads(await connection.read_all(MAX_ERROR_BODY_BYTES))
         _, message = error_status(payload) if isinstance(payload, dict) else (0, "")
-    except (aiohttp.ClientError, orjson.JSONDecodeError):
+    except (HttpError, orjson.JSONDecodeError):
         message = ""
-    status = response.status
+    status = connection.status
     if not message:
-        message = response.reason or "no error message"
-    if 400 <= status < 500 and status in (400, 413, 422):
+        message = connection.reason or "no error message"
+    if status in CLIENT_FAULT_STATUSES:
         text = message
     else:
         text = f"{leg} on engine {engine} failed with HTTP {status}: {message}"
     return engine_error(Cause.HTTP_STATUS, text, engine, status=status)
 
 
-def _transport_error(exc: aiohttp.ClientError, engine: str, leg: str) -> NarwhalError:
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+def _transport_error(exc: HttpError, engine: str, leg: str) -> NarwhalError:
+    if isinstance(exc, ConnectFailed):
         return engine_error(
             Cause.CONNECT, f"could not connect to engine {engine} for {leg}: {exc}", engine
         )

@@ -163,7 +163,7 @@ class RouterServer:
         site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
         await site.start()
         if self.port == 0:
-            self.port = _bound_port(site)
+            self.port = bound_port(site)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -176,7 +176,7 @@ class RouterServer:
         await self.stop()
 
 
-def _bound_port(site: web.TCPSite) -> int:
+def bound_port(site: web.TCPSite) -> int:
     # asyncio's and uvloop's servers both expose `sockets`.
     sockets = getattr(site._server, "sockets", None)
     if not sockets:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class Call:
     request_id: str
     client_request_id: str | None
     endpoint: Endpoint
+    # Measurements use `time.perf_counter()` (sub-millisecond); the deadline is in event-loop
+    # time, which timeouts use.
     arrival: float
     deadline: float
     stream: bool = False
@@ -103,7 +106,7 @@ class Call:
 
     def enter(self, stage: Stage) -> None:
         """Move to `stage`, adding the time spent in the current one to `spent`."""
-        now = asyncio.get_running_loop().time()
+        now = time.perf_counter()
         self.finish(now)
         self.stage, self.stage_at = stage, now
 
@@ -251,7 +254,7 @@ class Router:
                 "spent": self.budget.spent,
                 "denied": self.budget.denied,
             },
-            "recent": self.recent.summary(now),
+            "recent": self.recent.summary(time.perf_counter()),
             "engines": [
                 {
                     "id": engine.id,
@@ -283,14 +286,12 @@ class Router:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one client request and record its one outcome, on every path."""
-        loop = asyncio.get_running_loop()
-        arrival = loop.time()
         call = Call(
             request_id=uuid.uuid4().hex,
             client_request_id=request.headers.get("X-Request-Id"),
             endpoint=endpoint,
-            arrival=arrival,
-            deadline=arrival + self.config.serving.request_timeout_s,
+            arrival=time.perf_counter(),
+            deadline=asyncio.get_running_loop().time() + self.config.serving.request_timeout_s,
         )
         self.in_flight += 1
         task = asyncio.current_task()
@@ -327,7 +328,7 @@ class Router:
         finally:
             self.in_flight -= 1
             self._tasks.discard(task)
-            now = loop.time()
+            now = time.perf_counter()
             call.finish(now)
             self.journal.record(call.entry(now))
             for hook in self.call_hooks:
@@ -423,7 +424,7 @@ class Router:
         )
         reservation.release_prefill()
         self.breaker.success(producer.id)
-        call.ttft_s = loop.time() - call.arrival
+        call.ttft_s = time.perf_counter() - call.arrival
         call.prompt_tokens = result.prompt_tokens
         if not reservation.crossed:
             call.handoff = "same_worker"
@@ -451,7 +452,7 @@ class Router:
             engine=consumer.id,
             drop_usage=not client_request.include_usage,
         )
-        call.first_byte_s = loop.time() - call.arrival
+        call.first_byte_s = time.perf_counter() - call.arrival
         return stream
 
     def _blame(self, error: NarwhalError, reservation: Reservation) -> None:

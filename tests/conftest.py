@@ -1,0 +1,24 @@
+"""Shared fixtures; every test runs on uvloop, the event loop Narwhal runs on in production."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from support import StackFactory, stack_factory
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], Any]]:
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def make_stack(tmp_path: Path) -> StackFactory:
+    """`async with make_stack(roles, engine={...}, sim={...}) as stack:` (see `support`)."""
+    return stack_factory(tmp_path)
