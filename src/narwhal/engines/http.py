@@ -80,6 +80,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._complete = False
+        self._keep_alive = False
         self._received = False
         self._error: HttpError | None = None
         self._lost = False
@@ -140,7 +141,7 @@ class Connection(asyncio.Protocol):
 
     def release(self) -> None:
         """Back to the pool if the exchange ended cleanly and may continue; else close."""
-        if self._complete and not self._lost and self.parser.should_keep_alive():
+        if self._complete and not self._lost and self._keep_alive:
             self.pool.put(self)
         else:
             self.close()
@@ -181,6 +182,8 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        # Read here: the parser resets once the message completes.
+        self._keep_alive = self.parser.should_keep_alive()
         if self._head is not None and not self._head.done():
             self._head.set_result(self.status)
 
