@@ -42,6 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     validate = config_sub.add_parser("validate", help="check a config file and report problems")
     validate.add_argument("file", type=Path)
 
+    chaos = sub.add_parser(
+        "chaos", help="soak a simulated fleet and the router under random faults, then check"
+    )
+    amount = chaos.add_mutually_exclusive_group()
+    amount.add_argument("--requests", type=_count, default=1000, help="requests to send")
+    amount.add_argument("--minutes", type=float, help="send requests for this long instead")
+    chaos.add_argument("--seed", type=int, default=0, help="fixes every random choice")
+    chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
+    chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
+    chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
+
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
 
@@ -52,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     return parser
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_log_format(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +129,18 @@ def main(argv: list[str] | None = None) -> None:
                 run_serve(args.config, args.host, args.port, skip_preflight=args.skip_preflight)
             )
         )
+    if args.command == "chaos":
+        from narwhal.chaos import ChaosOptions, chaos_command
+
+        options = ChaosOptions(
+            requests=args.requests,
+            minutes=args.minutes,
+            seed=args.seed,
+            prefill=args.prefill,
+            decode=args.decode,
+            concurrency=args.concurrency,
+        )
+        sys.exit(runtime.run(chaos_command(options)))
     if args.command == "check":
         from narwhal.preflight import check_command
 

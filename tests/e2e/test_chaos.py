@@ -3,6 +3,10 @@ keeps every promise the soak checks; and the rules the soak found missing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+from narwhal.chaos import FAULTS, OUTAGE, ChaosOptions, format_report, run_chaos
 from narwhal.protocol.errors import Cause, engine_error
 from support import COMPLETION, StackFactory, engine_state
 
@@ -20,3 +24,31 @@ async def test_a_fleet_with_every_engine_ejected_is_readmitted_once_its_engines_
         for engine in ("p0", "d0"):
             assert (await engine_state(stack, engine, "admitted"))["state"] == "admitted"
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
+
+
+async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
+    options = ChaosOptions(requests=2000, seed=20261130, concurrency=24, fault_every_s=0.06)
+    report = await run_chaos(options)
+    assert report.ok, format_report(report)
+    assert set(report.faults) == {*FAULTS, OUTAGE}
+    tally = report.tally
+    assert tally.requests == tally.lines == 2000
+    assert tally.closed > 0 and tally.terminal > 0
+    statuses = {status for status, _ in tally.outcomes}
+    assert {200, 499, 502, 503} <= statuses
+    assert sum(n for (status, _), n in tally.outcomes.items() if status == 200) > 500
+
+
+def test_the_chaos_command_prints_its_figures_and_exits_zero_when_all_checks_pass() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "narwhal", "chaos", "--requests", "200", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "200 requests from 32 clients" in out and "faults injected" in out
+    assert "left over: in flight 0, queued 0, open engine legs 0, seats in use 0" in out
+    assert "FAIL" not in out and out.count("PASS") == 7
