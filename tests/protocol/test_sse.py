@@ -13,6 +13,7 @@ from narwhal.protocol.sse import (
     EventKind,
     SseDecoder,
     SseError,
+    block_payloads,
     classify,
     classify_after_first_output,
     error_status,
@@ -234,3 +235,26 @@ def test_events_kept_by_a_limit_are_not_mistaken_for_an_oversized_event() -> Non
     decoder = SseDecoder(max_event_bytes=32)
     events = decoder.feed(b"data: {}\n\n" * 10, limit=1)
     assert len(events) == 1 and decoder.feed_plain(b"") == b"data: {}\n\n" * 9
+
+
+def test_a_plain_block_parses_to_its_payloads() -> None:
+    chunks = [{"choices": [{"text": f" {i}\n\ndata: x"}]} for i in range(5)]
+    block = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks)
+    assert block_payloads(block) == chunks
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        b'data: {"choices":[]}\r\n\r\ndata: [DONE]\r\n\r\n',
+        b'data: {"choices":\ndata: []}\n\n',
+        b': note\ndata: {"choices":[]}\n\n',
+    ],
+)
+def test_other_framings_parse_event_by_event(block: bytes) -> None:
+    assert block_payloads(block) == [{"choices": []}]
+
+
+def test_a_block_with_a_broken_event_is_refused() -> None:
+    with pytest.raises(SseError):
+        block_payloads(b'data: {"a":1}\n\ndata: {"b":\n\n')

@@ -40,6 +40,7 @@ from narwhal.protocol.sse import (
     SseDecoder,
     SseError,
     SseEvent,
+    block_payloads,
     classify,
     classify_after_first_output,
     error_status,
@@ -507,6 +508,16 @@ async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]
         for payload in payloads:
             if payload is not None:
                 yield payload
+
+
+async def collect_payloads(stream: DecodeStream) -> list[dict[str, Any]]:
+    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input)."""
+    blocks = [data async for data in stream]
+    try:
+        return block_payloads(b"".join(blocks))
+    except SseError as exc:
+        # Relayed events only had their framing checked; here each must parse.
+        raise _bad_stream(exc, stream.engine) from None
 
 
 class _Watchdog:

@@ -267,3 +267,35 @@ def error_status(payload: dict[str, Any]) -> tuple[int, str]:
     if not isinstance(message, str):
         message = inner if isinstance(inner, str) else "engine reported an error"
     return status, message
+
+
+def block_payloads(block: bytes) -> list[dict[str, Any]]:
+    """The payloads of a block of whole events, each a JSON object; `[DONE]` is skipped.
+
+    A plain block (LF-framed `data: {...}` events) becomes one JSON array and is parsed
+    with a single call; anything else is decoded event by event. Raises `SseError` for
+    an event that is not a JSON object.
+    """
+    if block.startswith(b"data: {") and block.endswith(b"}\n\n") and b"\r" not in block:
+        events = block.count(b"\n\n")
+        if block.count(b"data: {") == events == block.count(b"}\n\n"):
+            # JSON text holds no raw newline, so "\n\ndata: " only separates events.
+            array = b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]"
+            try:
+                items = orjson.loads(array)
+            except orjson.JSONDecodeError:
+                items = None
+            if isinstance(items, list) and all(isinstance(item, dict) for item in items):
+                return items
+    payloads = []
+    for event in SseDecoder().feed(block):
+        if event.data == DONE:
+            continue
+        try:
+            payload = orjson.loads(event.data)
+        except orjson.JSONDecodeError as exc:
+            raise SseError(f"stream event is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise SseError("stream event is not a JSON object")
+        payloads.append(payload)
+    return payloads

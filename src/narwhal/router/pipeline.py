@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from narwhal.config import Config
-from narwhal.engines.client import DecodeStream, EngineClient, new_request_id, stream_payloads
+from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads, new_request_id
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.router.assemble import Assembler
@@ -515,7 +515,7 @@ async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.
 
 async def _collect(stream: DecodeStream, call: Call) -> Assembler:
     assembler = Assembler(call.endpoint)
-    async for payload in stream_payloads(stream):
+    for payload in await collect_payloads(stream):
         assembler.add(payload)
     if stream.usage is not None:
         assembler.usage = stream.usage
