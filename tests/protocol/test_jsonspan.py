@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.protocol.jsonspan import first_element_span, member_spans
+from narwhal.protocol.jsonspan import first_element_span, member_occurrences, member_spans
 
 json_values = st.recursive(
     st.none()
@@ -53,3 +53,18 @@ def test_first_element_of_an_array() -> None:
     span = first_element_span(raw, member_spans(raw)["choices"][0])
     assert span is not None and raw[slice(*span)] == b'{"kv": 1}'
     assert first_element_span(b"[ ]", 0) is None
+
+
+def test_member_occurrences_are_found_at_any_depth_in_one_scan() -> None:
+    raw = b'{"a": {"kv": [1, 2]}, "s": "\\"kv\\": 3", "kv" : null}'
+    assert [raw[a:b] for a, b in member_occurrences(raw, "kv")] == [b"[1, 2]", b"null"]
+    assert member_occurrences(raw, "absent") == []
+
+
+@given(st.dictionaries(st.text(), json_values, max_size=6))
+def test_a_top_level_member_is_found_wherever_it_sits(document: dict[str, Any]) -> None:
+    document = {**document, "kv_transfer_params": {"remote_block_ids": [1]}}
+    raw = json.dumps(document).encode()
+    spans = member_occurrences(raw, "kv_transfer_params")
+    assert len(spans) == 1
+    assert json.loads(raw[slice(*spans[0])]) == {"remote_block_ids": [1]}

@@ -34,7 +34,7 @@ from narwhal.engines.http import (
 from narwhal.protocol.bodies import decode_body, prefill_body
 from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
 from narwhal.protocol.errors import CLIENT_FAULT_STATUSES, Cause, NarwhalError, engine_error
-from narwhal.protocol.jsonspan import first_element_span, member_spans
+from narwhal.protocol.jsonspan import first_element_span, member_occurrences, member_spans
 from narwhal.protocol.sse import (
     EventKind,
     SseDecoder,
@@ -634,6 +634,13 @@ def _parse_prefill_answer(raw: bytes, engine: str) -> tuple[bytes | None, int | 
     usage = answer.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     tokens = prompt_tokens if type(prompt_tokens) is int else None
+    found = member_occurrences(raw, "kv_transfer_params")
+    if not found:
+        return None, tokens
+    if len(found) == 1:
+        descriptor = raw[found[0][0] : found[0][1]]
+        return (None if descriptor == b"null" else descriptor), tokens
+    # More than one: the top-level one wins over the first choice's.
     spans = member_spans(raw)
     span = spans.get("kv_transfer_params")
     if span is None and answer["choices"]:

@@ -25,6 +25,7 @@ class HostResolver:
     def __init__(self, ttl_s: float = RESOLVE_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+        self._answers: dict[tuple[str, tuple[str, ...]], tuple[float, bool]] = {}
 
     async def addresses(self, host: str) -> frozenset[str]:
         name = normalize(host)
@@ -45,7 +46,21 @@ class HostResolver:
         return found
 
     async def same_machine(self, host: str, allowed: Iterable[str]) -> bool:
-        """True when `host` is one of `allowed`, by name or by a shared address."""
+        """True when `host` is one of `allowed`, by name or by a shared address.
+
+        Answers are cached like the addresses behind them: a fleet asks the same question
+        for every request.
+        """
+        key = (host, tuple(allowed))
+        loop = asyncio.get_running_loop()
+        cached = self._answers.get(key)
+        if cached is not None and cached[0] > loop.time():
+            return cached[1]
+        answer = await self._same_machine(host, key[1])
+        self._answers[key] = (loop.time() + self.ttl_s, answer)
+        return answer
+
+    async def _same_machine(self, host: str, allowed: tuple[str, ...]) -> bool:
         wanted = {normalize(a) for a in allowed}
         if normalize(host) in wanted:
             return True

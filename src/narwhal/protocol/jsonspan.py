@@ -78,3 +78,21 @@ def first_element_span(doc: bytes, start: int) -> tuple[int, int] | None:
     if doc[pos : pos + 1] == b"]":
         return None
     return pos, _value_end(doc, pos)
+
+
+def member_occurrences(doc: bytes, key: str) -> list[tuple[int, int]]:
+    """Spans of the values of every member named `key`, at any depth, in one scan.
+
+    A quoted name followed by a colon can only be a member name: inside a JSON string its
+    quotes would be escaped.
+    """
+    name = b'"' + key.encode() + b'"'
+    spans = []
+    at = doc.find(name)
+    while at >= 0:
+        pos = _skip_ws(doc, at + len(name))
+        if doc[pos : pos + 1] == b":":
+            start = _skip_ws(doc, pos + 1)
+            spans.append((start, _value_end(doc, start)))
+        at = doc.find(name, at + len(name))
+    return spans
