@@ -38,8 +38,8 @@ test: lint check-types unit
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py
 
-# `make bench` runs the router benchmark (Narwhal, the direct path, and vllm-router once
-# `make bench-setup` has installed it); pass flags with BENCH_ARGS="--shape long".
+# `make bench` runs the router benchmark (Narwhal, the direct path, and vllm-router and the
+# FastAPI proxy once `make bench-setup` has installed them); flags: BENCH_ARGS="--shape long".
 bench: $(STAMP)
 	$(VENV)/bin/narwhal bench $(BENCH_ARGS)
 

@@ -41,7 +41,11 @@ from bench_load import BatchResult, Target, bucket_seconds
 
 HERE = Path(__file__).resolve().parent
 LOAD_SCRIPT = HERE / "bench_load.py"
-BENCH_VENV_ROUTER = HERE.parent / ".venv-bench" / "bin" / "vllm-router"
+BENCH_VENV = HERE.parent / ".venv-bench"
+BENCH_VENV_ROUTER = BENCH_VENV / "bin" / "vllm-router"
+FASTAPI_PROXY = HERE / "peers" / "fastapi_proxy.py"
+FASTAPI_PROXY_NEEDS = ("fastapi", "httpx", "uvicorn", "uvloop", "httptools")
+"""What the FastAPI peer imports; `make bench-setup` installs them in .venv-bench."""
 MODEL = "narwhal-sim"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -68,6 +72,7 @@ class BenchOptions:
     direct: bool = True
     narwhal: bool = True
     vllm_router: Path | None = None
+    fastapi_proxy: Path | None = None
     targets: tuple[tuple[str, str], ...] = ()
     target_pids: tuple[tuple[str, int], ...] = ()
     producer_port: int = 0
@@ -399,6 +404,48 @@ async def start_vllm_router(
     return proc, url
 
 
+async def start_fastapi_proxy(
+    python: Path, producer: str, consumer: str, workdir: Path
+) -> tuple[Proc, str]:
+    """The FastAPI + httpx peer (benchmarks/peers/fastapi_proxy.py) on uvicorn, one process."""
+    port = free_port()
+    argv = [
+        *(str(python), str(FASTAPI_PROXY)),
+        *("--prefill", producer, "--decode", consumer, "--port", str(port)),
+    ]
+    proc = await Proc.start("fastapi-proxy", argv, workdir)
+    url = f"http://127.0.0.1:{port}"
+    await wait_healthy(proc, url)
+    return proc, url
+
+
+def find_fastapi_python(explicit: Path | None) -> Path | None:
+    """The given interpreter, else .venv-bench's when it has the FastAPI peer's packages."""
+    if explicit is not None:
+        return explicit
+    python = BENCH_VENV / "bin" / "python"
+    for site in BENCH_VENV.glob("lib/python3*/site-packages"):
+        if python.exists() and all((site / name).is_dir() for name in FASTAPI_PROXY_NEEDS):
+            return python
+    return None
+
+
+async def add_peers(bench: Bench, options: BenchOptions, say: Any) -> None:
+    """Start the peer routers the options name, as targets after Narwhal."""
+    if options.vllm_router is not None:
+        starting = start_vllm_router(
+            options.vllm_router, bench.producer_url, bench.consumer_url, bench.workdir
+        )
+        url = await add_router(bench, "vllm-router", starting)
+        say(f"vllm-router: {url} (pid {bench.pids['vllm-router']}, {options.vllm_router})")
+    if options.fastapi_proxy is not None:
+        starting = start_fastapi_proxy(
+            options.fastapi_proxy, bench.producer_url, bench.consumer_url, bench.workdir
+        )
+        url = await add_router(bench, "fastapi-proxy", starting)
+        say(f"fastapi-proxy: {url} (pid {bench.pids['fastapi-proxy']}, {options.fastapi_proxy})")
+
+
 def find_vllm_router(explicit: Path | None) -> Path | None:
     """The given binary, else the one `make bench-setup` installs, else one on PATH."""
     if explicit is not None:
@@ -621,12 +668,7 @@ async def _run_bench(options: BenchOptions, workdir: Path) -> BenchReport:
                 bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, workdir)
             )
             say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
-        if options.vllm_router is not None:
-            starting = start_vllm_router(
-                options.vllm_router, bench.producer_url, bench.consumer_url, workdir
-            )
-            url = await add_router(bench, "vllm-router", starting)
-            say(f"vllm-router: {url} (pid {bench.pids['vllm-router']}, {options.vllm_router})")
+        await add_peers(bench, options, say)
         pids = dict(options.target_pids)
         for name, url in options.targets:
             # Another router may still be finding the engines the bench just started.
@@ -741,11 +783,7 @@ async def run_idle(options: BenchOptions, streams: int, workdir: Path) -> list[I
                 bench.producer_url, bench.consumer_url, workdir, idle=True, queue=streams
             )
             await add_router(bench, "narwhal", starting)
-        if options.vllm_router is not None:
-            starting = start_vllm_router(
-                options.vllm_router, bench.producer_url, bench.consumer_url, workdir
-            )
-            await add_router(bench, "vllm-router", starting)
+        await add_peers(bench, options, say)
         await start_loads(bench, 1)
         load = bench.loads[0]
         for target in bench.targets:
@@ -964,6 +1002,8 @@ def parser() -> argparse.ArgumentParser:
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
+    add("--fastapi-proxy", type=Path, help="python for the FastAPI peer (default: .venv-bench)")
+    add("--no-fastapi-proxy", action="store_true", help="skip the FastAPI peer even if found")
     add("--target", type=_pair, action="append", default=[], help="NAME=URL of another router")
     add("--target-pid", type=_pid, action="append", default=[], help="NAME=PID for its CPU")
     add("--producer-port", type=int, default=0, help="fixed producer port for --target routers")
@@ -981,6 +1021,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     max_tokens = args.max_tokens or SHAPES.get(args.shape, DEFAULT_MAX_TOKENS)
     shape = "stream" if args.shape in ("short", "long") else args.shape
     vllm_router = find_vllm_router(args.vllm_router) if not args.no_vllm_router else None
+    fastapi = find_fastapi_python(args.fastapi_proxy) if not args.no_fastapi_proxy else None
     return BenchOptions(
         shape=shape,
         max_tokens=max_tokens,
@@ -992,6 +1033,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         direct=args.direct,
         narwhal=args.narwhal,
         vllm_router=vllm_router,
+        fastapi_proxy=fastapi,
         targets=tuple(args.target),
         target_pids=tuple(args.target_pid),
         producer_port=args.producer_port,
