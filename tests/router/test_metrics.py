@@ -16,8 +16,9 @@ from narwhal.engines.gaps import TokenGaps
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.descriptor import Defect
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from narwhal.router.call import Call, Stage
 from narwhal.router.events import JsonFormatter, log_call
-from narwhal.router.pipeline import Call, Router, Stage
+from narwhal.router.pipeline import Router
 from narwhal.router.recent import RecentCalls, nearest_rank, percentiles
 
 

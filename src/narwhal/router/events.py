@@ -17,7 +17,7 @@ import orjson
 from narwhal.router.fleet import EngineEvent
 
 if TYPE_CHECKING:
-    from narwhal.router.pipeline import Call
+    from narwhal.router.call import Call
 
 LOG_FORMATS = ("text", "json")
 MAX_MESSAGE_CHARS = 300

@@ -28,7 +28,8 @@ from narwhal.protocol.errors import Cause
 from narwhal.router.fleet import EngineState, Phase
 
 if TYPE_CHECKING:
-    from narwhal.router.pipeline import Call, Router
+    from narwhal.router.call import Call
+    from narwhal.router.pipeline import Router
 
 # Seconds. Time to first token spans a cached 20 ms prefill to a queued long prompt.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -11,9 +11,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +24,14 @@ from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_er
 from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
+from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Reservation
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
+from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 
 SSE_HEADERS = {
@@ -41,7 +40,6 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 DONE_EVENT = b"data: [DONE]\n\n"
-CLIENT_CLOSED = 499
 
 
 def shutting_down() -> NarwhalError:
@@ -54,137 +52,6 @@ def shut_down() -> NarwhalError:
     return NarwhalError(
         503, "the router shut down before this request finished", Cause.UNAVAILABLE, retry_after=1
     )
-
-
-class Stage(StrEnum):
-    """Where a request is; named in deadline errors so the operator knows what was slow."""
-
-    ADMISSION = "reading the request"
-    QUEUED = "waiting for a seat"
-    PREFILL = "waiting for the prefill"
-    DECODE = "waiting for the first token"
-    RELAY = "relaying tokens"
-
-
-@dataclass(slots=True)
-class Call:
-    """What happened to one client request; journaled once, when it ends."""
-
-    request_id: str
-    client_request_id: str | None
-    endpoint: Endpoint
-    # Measurements use `time.perf_counter()` (sub-millisecond); the deadline is in event-loop
-    # time, which timeouts use.
-    arrival: float
-    deadline: float
-    stream: bool = False
-    producer: str | None = None
-    consumer: str | None = None
-    handoff: str | None = None
-    attempts: int = 0
-    backend_request_ids: list[str] = field(default_factory=list)
-    ttft_s: float | None = None
-    first_byte_s: float | None = None
-    prompt_tokens: int | None = None
-    output_tokens: int | None = None
-    status: int = 0
-    error: str | None = None
-    cause: str | None = None
-    committed: web.StreamResponse | None = None
-    stage: Stage = Stage.ADMISSION
-    retry_denied: bool = False
-    # Every attempt's handoff kind, and every failure (failed attempts', then the final).
-    handoffs: list[str] = field(default_factory=list)
-    errors: list[NarwhalError] = field(default_factory=list)
-    # Seconds spent in each stage so far, summed over attempts; the current one began at
-    # `stage_at`.
-    spent: dict[Stage, float] = field(default_factory=dict)
-    stage_at: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stage_at = self.arrival
-
-    def enter(self, stage: Stage) -> None:
-        """Move to `stage`, adding the time spent in the current one to `spent`."""
-        now = time.perf_counter()
-        self.finish(now)
-        self.stage, self.stage_at = stage, now
-
-    def finish(self, now: float) -> None:
-        """Count the current stage's time up to `now` (the request ends, or moves on)."""
-        self.spent[self.stage] = self.spent.get(self.stage, 0.0) + now - self.stage_at
-        self.stage_at = now
-
-    def fail(self, error: NarwhalError) -> None:
-        self.status, self.error, self.cause = error.status, error.message, error.cause.value
-        if not self.errors or self.errors[-1] is not error:
-            self.errors.append(error)
-
-    @property
-    def outcome(self) -> str:
-        return outcome_of(self.status)
-
-    @property
-    def queue_wait_s(self) -> float | None:
-        return self.spent.get(Stage.QUEUED)
-
-    @property
-    def prefill_s(self) -> float | None:
-        return self.spent.get(Stage.PREFILL)
-
-    @property
-    def decode_s(self) -> float | None:
-        """In decode legs: waiting for first tokens (over attempts), then relaying."""
-        if Stage.DECODE not in self.spent:
-            return None
-        return self.spent[Stage.DECODE] + self.spent.get(Stage.RELAY, 0.0)
-
-    def entry(self, now: float) -> dict[str, Any]:
-        return {
-            "type": "request",
-            "request_id": self.request_id,
-            "client_request_id": self.client_request_id,
-            "endpoint": self.endpoint.value,
-            "stream": self.stream,
-            "producer": self.producer,
-            "consumer": self.consumer,
-            "crossed": None if self.handoff is None else self.handoff != "same_worker",
-            "handoff": self.handoff,
-            "attempts": self.attempts,
-            "retry_denied": self.retry_denied,
-            "backend_request_ids": self.backend_request_ids,
-            "ttft_s": self.ttft_s,
-            "first_byte_s": self.first_byte_s,
-            "queue_wait_s": self.queue_wait_s,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "duration_s": now - self.arrival,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "status": self.status,
-            "outcome": outcome_of(self.status),
-            "cause": self.cause,
-            "error": self.error,
-            "failures": [
-                {"engine": e.engine, "cause": e.cause.value, "status": e.status}
-                for e in self.errors
-            ],
-        }
-
-
-def outcome_of(status: int) -> str:
-    """One bounded word per terminal status, for the journal and metrics."""
-    if status == 200:
-        return "ok"
-    if status == CLIENT_CLOSED:
-        return "client_closed"
-    if status == 504:
-        return "timeout"
-    return "client_error" if status < 500 else "error"
-
-
-# Told about each finished request once, with the time it ended.
-CallHook = Callable[[Call, float], None]
 
 
 class Router:
@@ -240,47 +107,8 @@ class Router:
         self.journal.record(engine_entry(event))
 
     def state(self) -> dict[str, Any]:
-        """What `/narwhal/state` shows: each engine's standing and seats, queue and budget."""
-        now = asyncio.get_running_loop().time()
-        return {
-            "model": self.config.model,
-            "in_flight": self.in_flight,
-            "queued": self.fleet.queued,
-            "queue_capacity": self.fleet.queue_capacity,
-            "open_engine_legs": self.client.open_legs,
-            "retry_budget": {
-                "credit": round(self.budget.credit, 3),
-                "size": self.budget.initial,
-                "spent": self.budget.spent,
-                "denied": self.budget.denied,
-            },
-            "recent": self.recent.summary(time.perf_counter()),
-            "engines": [
-                {
-                    "id": engine.id,
-                    "url": engine.url,
-                    "role": engine.spec.role.value,
-                    "state": engine.state(now).value,
-                    "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
-                    "streak": engine.streak,
-                    "ejection_reason": engine.ejection_reason if engine.ejected else None,
-                    "ejections": engine.ejections,
-                    "probes": dict(engine.probes),
-                    "seats": {
-                        "prefill": {
-                            "in_use": engine.prefill_seats,
-                            "limit": engine.spec.max_prefill_seats,
-                        },
-                        "decode": {
-                            "in_use": engine.decode_seats,
-                            "limit": engine.spec.max_decode_seats,
-                        },
-                    },
-                    "failures": dict(engine.failures),
-                }
-                for engine in self.fleet.engines
-            ],
-        }
+        """What `/narwhal/state` shows (see `router.state`)."""
+        return snapshot(self)
 
     # The request path --------------------------------------------------------------
 

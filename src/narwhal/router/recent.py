@@ -11,7 +11,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from narwhal.router.pipeline import Call
+    from narwhal.router.call import Call
 
 WINDOW_S = 300.0
 BUCKET_S = 10.0

@@ -1,0 +1,152 @@
+"""One client request's record: where it is, what happened, and the one outcome it ends with.
+
+The request path fills it in; the journal, metrics, logs and the fleet page read it once,
+when the request ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from aiohttp import web
+
+from narwhal.protocol.bodies import Endpoint
+from narwhal.protocol.errors import NarwhalError
+
+# The status recorded for a client that went away (nginx's convention; never sent).
+CLIENT_CLOSED = 499
+
+
+class Stage(StrEnum):
+    """Where a request is; named in deadline errors so the operator knows what was slow."""
+
+    ADMISSION = "reading the request"
+    QUEUED = "waiting for a seat"
+    PREFILL = "waiting for the prefill"
+    DECODE = "waiting for the first token"
+    RELAY = "relaying tokens"
+
+
+@dataclass(slots=True)
+class Call:
+    """What happened to one client request; journaled once, when it ends."""
+
+    request_id: str
+    client_request_id: str | None
+    endpoint: Endpoint
+    # Measurements use `time.perf_counter()` (sub-millisecond); the deadline is in event-loop
+    # time, which timeouts use.
+    arrival: float
+    deadline: float
+    stream: bool = False
+    producer: str | None = None
+    consumer: str | None = None
+    handoff: str | None = None
+    attempts: int = 0
+    backend_request_ids: list[str] = field(default_factory=list)
+    ttft_s: float | None = None
+    first_byte_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    status: int = 0
+    error: str | None = None
+    cause: str | None = None
+    committed: web.StreamResponse | None = None
+    stage: Stage = Stage.ADMISSION
+    retry_denied: bool = False
+    # Every attempt's handoff kind, and every failure (failed attempts', then the final).
+    handoffs: list[str] = field(default_factory=list)
+    errors: list[NarwhalError] = field(default_factory=list)
+    # Seconds spent in each stage so far, summed over attempts; the current one began at
+    # `stage_at`.
+    spent: dict[Stage, float] = field(default_factory=dict)
+    stage_at: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stage_at = self.arrival
+
+    def enter(self, stage: Stage) -> None:
+        """Move to `stage`, adding the time spent in the current one to `spent`."""
+        now = time.perf_counter()
+        self.finish(now)
+        self.stage, self.stage_at = stage, now
+
+    def finish(self, now: float) -> None:
+        """Count the current stage's time up to `now` (the request ends, or moves on)."""
+        self.spent[self.stage] = self.spent.get(self.stage, 0.0) + now - self.stage_at
+        self.stage_at = now
+
+    def fail(self, error: NarwhalError) -> None:
+        self.status, self.error, self.cause = error.status, error.message, error.cause.value
+        if not self.errors or self.errors[-1] is not error:
+            self.errors.append(error)
+
+    @property
+    def outcome(self) -> str:
+        return outcome_of(self.status)
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return self.spent.get(Stage.QUEUED)
+
+    @property
+    def prefill_s(self) -> float | None:
+        return self.spent.get(Stage.PREFILL)
+
+    @property
+    def decode_s(self) -> float | None:
+        """In decode legs: waiting for first tokens (over attempts), then relaying."""
+        if Stage.DECODE not in self.spent:
+            return None
+        return self.spent[Stage.DECODE] + self.spent.get(Stage.RELAY, 0.0)
+
+    def entry(self, now: float) -> dict[str, Any]:
+        return {
+            "type": "request",
+            "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
+            "endpoint": self.endpoint.value,
+            "stream": self.stream,
+            "producer": self.producer,
+            "consumer": self.consumer,
+            "crossed": None if self.handoff is None else self.handoff != "same_worker",
+            "handoff": self.handoff,
+            "attempts": self.attempts,
+            "retry_denied": self.retry_denied,
+            "backend_request_ids": self.backend_request_ids,
+            "ttft_s": self.ttft_s,
+            "first_byte_s": self.first_byte_s,
+            "queue_wait_s": self.queue_wait_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "duration_s": now - self.arrival,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "status": self.status,
+            "outcome": outcome_of(self.status),
+            "cause": self.cause,
+            "error": self.error,
+            "failures": [
+                {"engine": e.engine, "cause": e.cause.value, "status": e.status}
+                for e in self.errors
+            ],
+        }
+
+
+def outcome_of(status: int) -> str:
+    """One bounded word per terminal status, for the journal and metrics."""
+    if status == 200:
+        return "ok"
+    if status == CLIENT_CLOSED:
+        return "client_closed"
+    if status == 504:
+        return "timeout"
+    return "client_error" if status < 500 else "error"
+
+
+# Told about each finished request once, with the time it ended.
+CallHook = Callable[[Call, float], None]

@@ -1,0 +1,55 @@
+"""`/narwhal/state`: the router's live view of its fleet, as JSON-ready data."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from narwhal.router.pipeline import Router
+
+
+def snapshot(router: Router) -> dict[str, Any]:
+    """Each engine's standing, seats, breaker and failures; the queue, budget and recent
+    requests. Read by operators and the fleet page; never on the request path."""
+    now = asyncio.get_running_loop().time()
+    return {
+        "model": router.config.model,
+        "in_flight": router.in_flight,
+        "queued": router.fleet.queued,
+        "queue_capacity": router.fleet.queue_capacity,
+        "open_engine_legs": router.client.open_legs,
+        "retry_budget": {
+            "credit": round(router.budget.credit, 3),
+            "size": router.budget.initial,
+            "spent": router.budget.spent,
+            "denied": router.budget.denied,
+        },
+        "recent": router.recent.summary(time.perf_counter()),
+        "engines": [
+            {
+                "id": engine.id,
+                "url": engine.url,
+                "role": engine.spec.role.value,
+                "state": engine.state(now).value,
+                "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
+                "streak": engine.streak,
+                "ejection_reason": engine.ejection_reason if engine.ejected else None,
+                "ejections": engine.ejections,
+                "probes": dict(engine.probes),
+                "seats": {
+                    "prefill": {
+                        "in_use": engine.prefill_seats,
+                        "limit": engine.spec.max_prefill_seats,
+                    },
+                    "decode": {
+                        "in_use": engine.decode_seats,
+                        "limit": engine.spec.max_decode_seats,
+                    },
+                },
+                "failures": dict(engine.failures),
+            }
+            for engine in router.fleet.engines
+        ],
+    }
