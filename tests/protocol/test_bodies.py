@@ -60,6 +60,8 @@ def test_another_model_is_404_naming_both() -> None:
         ({"prompt": "x", "stream_options": 1}, "`stream_options` must be an object"),
         ({"prompt": ["a", "b"]}, "holds 2 prompts"),
         ({"prompt": 5}, "`prompt` must be"),
+        ({"prompt": []}, "a non-empty list of token ids"),
+        ({"prompt": [[]]}, "a non-empty list of token ids"),
         ({}, "`prompt` is required"),
         ({"prompt": "x", "model": 3}, "`model` must be a string"),
     ],

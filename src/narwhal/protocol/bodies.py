@@ -53,17 +53,18 @@ def _check_prompt(prompt: object) -> None:
             return
         if len(prompt) == 1 and (
             isinstance(prompt[0], str)
-            or (isinstance(prompt[0], list) and all(_is_int(t) for t in prompt[0]))
+            or (isinstance(prompt[0], list) and prompt[0] and all(_is_int(t) for t in prompt[0]))
         ):
             return
-        if all(isinstance(item, str | list) for item in prompt):
+        if len(prompt) > 1 and all(isinstance(item, str | list) for item in prompt):
             raise client_error(
                 400,
                 f"`prompt` holds {len(prompt)} prompts; send one prompt per request "
                 "(each prompt needs its own prefill/decode handoff)",
             )
     raise client_error(
-        400, "`prompt` must be a string, a list of token ids, or a list with one of these"
+        400,
+        "`prompt` must be a string, a non-empty list of token ids, or a list with one of these",
     )
 
 
