@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     amount = chaos.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=_count, default=1000, help="requests to send")
-    amount.add_argument("--minutes", type=float, help="send requests for this long instead")
+    amount.add_argument("--minutes", type=_span, help="send requests for this long instead")
     chaos.add_argument("--seed", type=int, default=0, help="fixes every random choice")
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
     chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
@@ -69,6 +69,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _span(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value
 
 
