@@ -321,6 +321,9 @@ VALID_STREAMS = {
     "done without a space": stream(done=b"data:[DONE]\n\n"),
     "bytes after done": stream(done=DONE + b'data: {"late": true}\n\ngarbage'),
     "a large event": stream(event(chunk("y" * 900_000))),
+    "an empty answer": Script(
+        (event(METADATA), event(chunk("", finish="stop")), event(USAGE), DONE)
+    ),
 }
 
 

@@ -102,7 +102,8 @@ def test_done_is_its_own_kind() -> None:
     ("payload", "kind"),
     [
         ({"choices": [{"index": 0, "text": " hi", "finish_reason": None}]}, EventKind.OUTPUT),
-        ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, EventKind.METADATA),
+        ({"choices": [{"index": 0, "text": "", "finish_reason": None}]}, EventKind.METADATA),
+        ({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, EventKind.OUTPUT),
         ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, EventKind.METADATA),
         ({"choices": [{"delta": {"content": "x"}}]}, EventKind.OUTPUT),
         ({"choices": [{"delta": {"reasoning_content": "think"}}]}, EventKind.OUTPUT),

@@ -221,9 +221,16 @@ def classify(data: bytes) -> Classified:
         raise SseError("stream event has no `choices` list")
     if not choices:
         return Classified(EventKind.USAGE, payload) if "usage" in payload else _METADATA
-    if has_output(choices[0]):
+    choice = choices[0]
+    if has_output(choice) or _finished(choice):
         return Classified(EventKind.OUTPUT, payload)
     return Classified(EventKind.METADATA, payload)
+
+
+def _finished(choice: object) -> bool:
+    """A `finish_reason` ends the generation: an answer that is empty (a stop string or
+    end-of-sequence at once) is still an answer, not a stream cut short."""
+    return isinstance(choice, dict) and choice.get("finish_reason") is not None
 
 
 def classify_after_first_output(data: bytes) -> Classified | None:
