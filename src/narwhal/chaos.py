@@ -248,6 +248,9 @@ def _body(rng: random.Random, route: str, stream: bool) -> dict[str, Any]:
         body["messages"] = [{"role": "user", "content": text}]
     if stream and rng.random() < 0.3:
         body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.2:
+        # Short stop strings end some answers early, some before any text at all.
+        body["stop"] = [rng.choice(["e", "th", " s"])]
     return body
 
 
