@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
+
 from narwhal.engines.probe import PROBE_PROMPT
 from narwhal.protocol.errors import Cause, engine_error
+from narwhal.router.fleet import Engine
+from narwhal.router.readmission import Verdict
 from support import (
     COMPLETION,
     CONTRACT,
@@ -189,3 +193,25 @@ async def _eject(stack: Stack, name: str) -> None:
             return
         await stack.post("/v1/completions", COMPLETION)
     raise AssertionError(f"{name} was never ejected")
+
+
+async def test_a_probe_that_breaks_unexpectedly_is_inconclusive_and_readmission_goes_on(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with make_stack(recovery=QUICK) as stack:
+        await fail_decodes(stack, "d0", 2)
+        readmission = stack.server.router.readmission
+        calls = 0
+        judge = readmission.judge
+
+        async def flaky(engine: Engine) -> Verdict:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("unforeseen")
+            return await judge(engine)
+
+        monkeypatch.setattr(readmission, "judge", flaky)
+        d0 = await engine_state(stack, "d0", "admitted")
+        assert d0["state"] == "admitted"
+        assert d0["probes"]["inconclusive"] >= 1 and d0["probes"]["success"] >= 1

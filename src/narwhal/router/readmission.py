@@ -82,7 +82,12 @@ class Readmission:
         self._release_held_if_needed()
 
     async def _judge_and_act(self, engine: Engine) -> None:
-        verdict = await self.judge(engine)
+        try:
+            verdict = await self.judge(engine)
+        except Exception as exc:
+            # A probe that breaks in an unforeseen way judges nothing; readmission goes on.
+            log.exception("probe of engine %s could not run", engine.id)
+            verdict = Verdict(INCONCLUSIVE, f"probe could not run: {type(exc).__name__}: {exc}")
         engine.probes[verdict.result] = engine.probes.get(verdict.result, 0) + 1
         self.fleet.emit(EngineEvent("probe", engine.id, verdict.detail, verdict.result))
         if verdict.result == SUCCESS:
