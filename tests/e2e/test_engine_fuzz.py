@@ -524,16 +524,19 @@ async def test_wrongly_typed_fields_are_relayed_as_sent_and_left_out_of_an_assem
         await nothing_left(stack)
 
 
-async def test_a_non_streaming_answer_from_an_event_that_does_not_parse_is_502(
-    tmp_path: Path,
+@pytest.mark.parametrize("garbage", [b"data: {not json}\n\n", b'data: {"a":1},{"b":2}\n\n'])
+async def test_an_event_that_does_not_parse_ends_the_answer_with_a_502(
+    tmp_path: Path, garbage: bytes
 ) -> None:
-    script = stream(b"data: {not json}\n\n", event({"no": "choices"}))
+    script = stream(garbage, event({"no": "choices"}))
     async with fake_stack(tmp_path, GOOD_PREFILL, script) as stack:
         whole = await ask(stack, COMPLETIONS, stream=False)
         assert whole.status == 502 and "malformed stream" in whole.json["error"]["message"]
-        # Streamed, the same events reach the client as the engine sent them.
+        # Streamed, output is already visible: the stream ends with a terminal error event
+        # and the garbage never reaches the client.
         streamed = await ask(stack, COMPLETIONS, stream=True)
-        assert terminal_code(streamed) is None and b"{not json}" in events_of(streamed.body)
+        assert streamed.status == 200 and terminal_code(streamed) == 502
+        assert garbage[6:-2] not in events_of(streamed.body)
         await nothing_left(stack)
 
 

@@ -125,14 +125,15 @@ def test_events_that_are_not_chunks_are_refused(data: bytes) -> None:
         classify(data)
 
 
-def test_after_output_only_decisions_are_parsed() -> None:
+def test_after_output_only_decisions_are_classified_and_the_rest_must_be_json() -> None:
     assert classify_after_first_output(b'{"choices":[{"text":" x"}]}') is None
     error = classify_after_first_output(b'{"error": {"message": "m", "code": 503}}')
     assert error is not None and error.kind is EventKind.ERROR
     usage = classify_after_first_output(b'{"choices":[],"usage":{"completion_tokens":2}}')
     assert usage is not None and usage.kind is EventKind.USAGE
-    with pytest.raises(SseError):
-        classify_after_first_output(b"garbage")
+    for garbage in (b"garbage", b"{not json}", b"[1]"):
+        with pytest.raises(SseError):
+            classify_after_first_output(garbage)
 
 
 def test_generated_text_mentioning_error_is_not_an_error_object() -> None:
@@ -155,16 +156,19 @@ def test_has_output_ignores_non_objects() -> None:
 
 def test_plain_blocks_are_forwarded_whole_and_partial_events_kept() -> None:
     decoder = SseDecoder()
-    first = b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: {"c"'
-    assert decoder.feed_plain(first) == b'data: {"a":1}\n\ndata: {"b":2}\n\n'
-    assert decoder.feed_plain(b":3}") == b""
-    assert decoder.feed_plain(b"\n\n") == b'data: {"c":3}\n\n'
+    a, b = b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n'
+    assert decoder.feed_plain(a + b + b'data: {"choices":[{"te') == a + b
+    assert decoder.feed_plain(b'xt":"c"}]}') == b""
+    assert decoder.feed_plain(b"\n\n") == b'data: {"choices":[{"text":"c"}]}\n\n'
     assert decoder.pending == 0
 
 
 @pytest.mark.parametrize(
     "chunk",
     [
+        b'data: {"choices":[{"text":"a"}]\n\n',
+        b'data: {"choices":[{"text":"a"}]},{"x":1}\n\n',
+        b'data: {"choices":[]}\n\n',
         b'data: {"error": {"code": 500}}\n\n',
         b'data: {"choices":[],"usage":{}}\n\n',
         b"data: [DONE]\n\n",
@@ -233,9 +237,10 @@ def test_a_limit_takes_events_one_at_a_time_and_keeps_the_rest(newline: bytes) -
 
 
 def test_events_kept_by_a_limit_are_not_mistaken_for_an_oversized_event() -> None:
+    event = b'data: {"choices":[{}]}\n\n'
     decoder = SseDecoder(max_event_bytes=32)
-    events = decoder.feed(b"data: {}\n\n" * 10, limit=1)
-    assert len(events) == 1 and decoder.feed_plain(b"") == b"data: {}\n\n" * 9
+    events = decoder.feed(event * 10, limit=1)
+    assert len(events) == 1 and decoder.feed_plain(b"") == event * 9
 
 
 def test_a_plain_block_parses_to_its_payloads() -> None:

@@ -75,10 +75,11 @@ class SseDecoder:
     def feed_plain(self, chunk: bytes) -> bytes:
         """Fast path for relaying: take the chunk, return its leading plain events as one block.
 
-        Plain means LF-framed `data: {...}` events before any error object, usage chunk or
-        `[DONE]`: events that need no decision, found with a few C-level scans instead of
-        per-event work. Returns b"" when there are none. Whatever follows the block stays
-        buffered: when `ready()`, the caller takes it with `feed(b"")`.
+        Plain means LF-framed `data: {...}` events, each valid JSON, before any error
+        object, usage or empty-choices chunk, or `[DONE]`: events that need no decision.
+        The whole block is checked with one JSON parse (as an array) instead of per-event
+        work. Returns b"" when there are none. Whatever follows the block stays buffered:
+        when `ready()`, the caller takes it with `feed(b"")`.
         """
         if self._skip_lf and chunk:
             self._skip_lf = False
@@ -88,23 +89,20 @@ class SseDecoder:
         self._buf = buf
         if b"\r" in buf:
             return b""
-        end = len(buf)
-        for marker in _DECISION_MARKERS:
-            at = buf.find(marker, 0, end)
-            if at >= 0:
-                end = at
-        cut = buf.rfind(b"\n\n", 0, end) + 2
-        if cut == 1:
+        done = buf.find(b"data: [DONE]")
+        cut = buf.rfind(b"\n\n", 0, len(buf) if done < 0 else done) + 2
+        if cut == 1 or not buf.startswith(b"data: {"):
             return b""
         block = buf[:cut]
-        events = block.count(b"\n\n")
-        if (
-            not block.startswith(b"data: {")
-            or block.count(b"data: {") != events
-            or block.count(b"}\n\n") != events
-        ):
+        items = _events_as_array(block)
+        if items is None:
             return b""
-        self._buf = buf[cut:]
+        plain = _plain_run(items)
+        if plain < len(items):
+            block = block[: _end_of_event(block, plain)]
+            if not block:
+                return b""
+        self._buf = buf[len(block) :]
         return block
 
     def ready(self) -> bool:
@@ -113,8 +111,42 @@ class SseDecoder:
         return b"\n\n" in buf or b"\r" in buf or len(buf) > self._max
 
 
-# Events that need a decision; a plain block ends before the first of them.
-_DECISION_MARKERS = (b'"error"', b'"usage"', b"data: [DONE]")
+def _events_as_array(block: bytes) -> list[Any] | None:
+    """The payloads of a block of `data: ...` events, parsed as one JSON array.
+
+    JSON text holds no raw newline, so "\\n\\ndata: " only ever separates events. None
+    when the block is not exactly such events, each one JSON value.
+    """
+    if not (block.startswith(b"data: ") and block.endswith(b"\n\n")):
+        return None
+    try:
+        items = orjson.loads(b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or len(items) != block.count(b"\n\n"):
+        return None
+    return items
+
+
+def _plain_run(items: list[Any]) -> int:
+    """How many leading payloads need no decision (chunks with choices, no error)."""
+    for index, item in enumerate(items):
+        if (
+            not isinstance(item, dict)
+            or "error" in item
+            or item.get("object") == "error"
+            or not item.get("choices")
+        ):
+            return index
+    return len(items)
+
+
+def _end_of_event(block: bytes, count: int) -> int:
+    """The offset just past the first `count` events of an LF-framed block."""
+    end = 0
+    for _ in range(count):
+        end = block.index(b"\n\n", end) + 2
+    return end
 
 
 def _split_lf(buf: bytes, limit: int = 0) -> tuple[list[SseEvent], bytes]:
@@ -234,18 +266,23 @@ def _finished(choice: object) -> bool:
 
 
 def classify_after_first_output(data: bytes) -> Classified | None:
-    """Cheap check once output has started: None means "forward it, nothing to decide".
+    """Once output has started: None means "forward it, nothing to decide".
 
-    Only `[DONE]`, error objects and usage chunks need a decision, and each is recognised
-    by a byte scan before anything is parsed. In JSON text a generated `"error"` is always
-    escaped, so the scan cannot mistake model output for an error. Other events only get a
-    framing check (a JSON object's braces), so garbage is never relayed as a token.
+    Only `[DONE]`, error objects and usage chunks need a decision, recognised by a byte
+    scan before anything is parsed (in JSON text a generated `"error"` is always escaped,
+    so the scan cannot mistake model output for an error). Every other event must still
+    be a JSON object, so garbage is never relayed as a token. Plain runs of events skip
+    this per-event path altogether (`SseDecoder.feed_plain`).
     """
     if data == DONE:
         return _DONE
     if b'"error"' in data or b'"usage"' in data:
         return classify(data)
-    if not (data.startswith(b"{") and data.endswith(b"}")):
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise SseError(f"stream event is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
         raise SseError("stream event is not a JSON object")
     return None
 
@@ -279,21 +316,14 @@ def error_status(payload: dict[str, Any]) -> tuple[int, str]:
 def block_payloads(block: bytes) -> list[dict[str, Any]]:
     """The payloads of a block of whole events, each a JSON object; `[DONE]` is skipped.
 
-    A plain block (LF-framed `data: {...}` events) becomes one JSON array and is parsed
-    with a single call; anything else is decoded event by event. Raises `SseError` for
-    an event that is not a JSON object.
+    A plain block (LF-framed `data: {...}` events) is parsed with a single call; anything
+    else is decoded event by event. Raises `SseError` for an event that is not a JSON
+    object.
     """
-    if block.startswith(b"data: {") and block.endswith(b"}\n\n") and b"\r" not in block:
-        events = block.count(b"\n\n")
-        if block.count(b"data: {") == events == block.count(b"}\n\n"):
-            # JSON text holds no raw newline, so "\n\ndata: " only separates events.
-            array = b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]"
-            try:
-                items = orjson.loads(array)
-            except orjson.JSONDecodeError:
-                items = None
-            if isinstance(items, list) and all(isinstance(item, dict) for item in items):
-                return items
+    if b"\r" not in block:
+        items = _events_as_array(block)
+        if items is not None and all(isinstance(item, dict) for item in items):
+            return items
     payloads = []
     for event in SseDecoder().feed(block):
         if event.data == DONE:
