@@ -264,3 +264,18 @@ def test_other_framings_parse_event_by_event(block: bytes) -> None:
 def test_a_block_with_a_broken_event_is_refused() -> None:
     with pytest.raises(SseError):
         block_payloads(b'data: {"a":1}\n\ndata: {"b":\n\n')
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'data: {"choices":[{"text":"\xff"}]}\n\n',
+        b'data: {"choices":[{"text":"a"}],"x":{bad}}\n\n',
+        b'data: {"choices":[{"text":"a"}]},{"choices":[{"text":"b"}]}\n\n',
+    ],
+)
+def test_a_block_is_plain_only_if_every_event_is_one_valid_json_object(bad: bytes) -> None:
+    good = b'data: {"choices":[{"text":"a"}]}\n\n'
+    decoder = SseDecoder()
+    assert decoder.feed_plain(good + bad + good) == good
+    assert decoder.ready()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import msgspec
 import orjson
 
 DONE = b"[DONE]"
@@ -75,11 +76,12 @@ class SseDecoder:
     def feed_plain(self, chunk: bytes) -> bytes:
         """Fast path for relaying: take the chunk, return its leading plain events as one block.
 
-        Plain means LF-framed `data: {...}` events, each valid JSON, before any error
-        object, usage or empty-choices chunk, or `[DONE]`: events that need no decision.
-        The whole block is checked with one JSON parse (as an array) instead of per-event
-        work. Returns b"" when there are none. Whatever follows the block stays buffered:
-        when `ready()`, the caller takes it with `feed(b"")`.
+        Plain means LF-framed `data: {...}` events, each one valid JSON object (UTF-8) with
+        a non-empty `choices` list and no `error`, before `[DONE]`: events that need no
+        decision. The whole block is checked by one typed parse of it as a JSON array
+        that builds nothing but the `choices` lists, instead of per-event work. Returns b""
+        when there are none. Whatever follows the block stays buffered: when `ready()`,
+        the caller takes it with `feed(b"")`.
         """
         if self._skip_lf and chunk:
             self._skip_lf = False
@@ -89,21 +91,16 @@ class SseDecoder:
         self._buf = buf
         if b"\r" in buf:
             return b""
-        done = buf.find(b"data: [DONE]")
+        # [DONE] ends a stream, so it can only be near the end of what has arrived.
+        done = buf.find(b"data: [DONE]", max(0, len(buf) - 64))
         cut = buf.rfind(b"\n\n", 0, len(buf) if done < 0 else done) + 2
         if cut == 1 or not buf.startswith(b"data: {"):
             return b""
-        block = buf[:cut]
-        items = _events_as_array(block)
-        if items is None:
+        end = _plain_end(buf[:cut])
+        if end == 0:
             return b""
-        plain = _plain_run(items)
-        if plain < len(items):
-            block = block[: _end_of_event(block, plain)]
-            if not block:
-                return b""
-        self._buf = buf[len(block) :]
-        return block
+        self._buf = buf[end:]
+        return buf[:end]
 
     def ready(self) -> bool:
         """Whether `feed(b"")` has something to do: a complete event, or an oversized one."""
@@ -111,34 +108,41 @@ class SseDecoder:
         return b"\n\n" in buf or b"\r" in buf or len(buf) > self._max
 
 
-def _events_as_array(block: bytes) -> list[Any] | None:
-    """The payloads of a block of `data: ...` events, parsed as one JSON array.
+class _Chunk(msgspec.Struct):
+    """What a relay decision reads of a chunk; every other member is validated, not built."""
 
-    JSON text holds no raw newline, so "\\n\\ndata: " only ever separates events. None
-    when the block is not exactly such events, each one JSON value.
+    choices: list[msgspec.Raw] = []
+    error: msgspec.Raw = msgspec.Raw()
+
+
+_CHUNKS = msgspec.json.Decoder(list[_Chunk])
+_SEPARATOR = b"\n\ndata: "
+
+
+def _plain_end(block: bytes) -> int:
+    """The end of the leading run of events that need no decision, in an LF-framed block.
+
+    The block is parsed as one JSON array (JSON text holds no raw newline, so the
+    separator only ever joins events); 0 when it is not such events, each one object.
     """
-    if not (block.startswith(b"data: ") and block.endswith(b"\n\n")):
-        return None
+    if not block.endswith(b"\n\n"):
+        return 0
+    inner = block[6:-2]
+    array = inner.replace(_SEPARATOR, b",")
     try:
-        items = orjson.loads(b"[" + block[6:-2].replace(b"\n\ndata: ", b",") + b"]")
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(items, list) or len(items) != block.count(b"\n\n"):
-        return None
-    return items
-
-
-def _plain_run(items: list[Any]) -> int:
-    """How many leading payloads need no decision (chunks with choices, no error)."""
-    for index, item in enumerate(items):
-        if (
-            not isinstance(item, dict)
-            or "error" in item
-            or item.get("object") == "error"
-            or not item.get("choices")
-        ):
-            return index
-    return len(items)
+        chunks = _CHUNKS.decode(b"[" + array + b"]")
+        if not block.isascii():
+            block.decode()
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return 0
+    # Each separator replaced shrinks the text by 7 bytes: a value count that differs
+    # means an event held more than one JSON value.
+    if len(chunks) != (len(inner) - len(array)) // (len(_SEPARATOR) - 1) + 1:
+        return 0
+    for index, chunk in enumerate(chunks):
+        if not chunk.choices or chunk.error:
+            return _end_of_event(block, index)
+    return len(block)
 
 
 def _end_of_event(block: bytes, count: int) -> int:
@@ -320,9 +324,19 @@ def block_payloads(block: bytes) -> list[dict[str, Any]]:
     else is decoded event by event. Raises `SseError` for an event that is not a JSON
     object.
     """
-    if b"\r" not in block:
-        items = _events_as_array(block)
-        if items is not None and all(isinstance(item, dict) for item in items):
+    if block.startswith(b"data: {") and block.endswith(b"}\n\n") and b"\r" not in block:
+        inner = block[6:-2]
+        array = inner.replace(_SEPARATOR, b",")
+        try:
+            items = orjson.loads(b"[" + array + b"]")
+        except orjson.JSONDecodeError:
+            items = None
+        events = (len(inner) - len(array)) // (len(_SEPARATOR) - 1) + 1
+        if (
+            isinstance(items, list)
+            and len(items) == events
+            and all(isinstance(item, dict) for item in items)
+        ):
             return items
     payloads = []
     for event in SseDecoder().feed(block):
