@@ -141,16 +141,19 @@ def _plain_end(block: bytes) -> int:
         return 0
     for index, chunk in enumerate(chunks):
         if not chunk.choices or chunk.error:
-            return _end_of_event(block, index)
+            return _start_of_event(block, index, len(chunks))
     return len(block)
 
 
-def _end_of_event(block: bytes, count: int) -> int:
-    """The offset just past the first `count` events of an LF-framed block."""
-    end = 0
-    for _ in range(count):
-        end = block.index(b"\n\n", end) + 2
-    return end
+def _start_of_event(block: bytes, index: int, count: int) -> int:
+    """Where event `index` of `count` begins; found from the end, as the events that need
+    a decision (usage, [DONE]) come last."""
+    if index == 0:
+        return 0
+    end = len(block) - 2
+    for _ in range(count - index):
+        end = block.rfind(b"\n\n", 0, end)
+    return end + 2
 
 
 def _split_lf(buf: bytes, limit: int = 0) -> tuple[list[SseEvent], bytes]:
