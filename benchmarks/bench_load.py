@@ -33,6 +33,8 @@ import aiohttp
 import orjson
 import uvloop
 
+from narwhal.protocol.descriptor import prefill_request_params
+
 PROMPT = (
     "Narwhals live in the cold waters of the Arctic, where they dive deep under the sea ice "
     "to hunt for fish and shrimp. Their long spiral tusk is a tooth that grows through the "
@@ -43,14 +45,7 @@ PROMPT = (
 _GENERATED = re.compile(rb'"(?:text|content)":\s*"(?!")')
 _DONE = b"[DONE]"
 
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_PARAMS = prefill_request_params()
 """What a prefill leg carries (the engine contract's leg 1)."""
 
 # Inter-token gaps are kept as a log-scale histogram so that batches merge cheaply:

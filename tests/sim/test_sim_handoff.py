@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from narwhal.protocol.descriptor import prefill_request_params
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.model import tokenize
 
@@ -15,14 +16,7 @@ if TYPE_CHECKING:
     from sim.conftest import Sim, Stream
 
 PROMPT = "A narwhal's tusk is a tooth that grows through its upper lip, " * 3
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_PARAMS = prefill_request_params()
 COMPLETION = ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "seed": 7})
 CHAT = (
     "/v1/chat/completions",
