@@ -70,8 +70,6 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.reason = ""
-        self.headers: dict[bytes, bytes] = {}
-        self.reused = False
         self.idle_since = 0.0
         self._loop = asyncio.get_running_loop()
         self._head: asyncio.Future[int] | None = None
@@ -90,7 +88,6 @@ class Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self.status = 0
-        self.headers = {}
         self._head = self._loop.create_future()
         self._body.clear()
         self._buffered = 0
@@ -176,9 +173,6 @@ class Connection(asyncio.Protocol):
 
     def on_status(self, reason: bytes) -> None:
         self.reason = reason.decode("latin-1")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -266,7 +260,6 @@ class ConnectionPool:
         while idle:
             connection = idle.pop()
             if now - connection.idle_since < KEEPALIVE_S and not connection._lost:
-                connection.reused = True
                 return connection
             connection.close()
         return None

@@ -177,9 +177,6 @@ class Fleet:
     def queued(self) -> int:
         return len(self._queue)
 
-    def seats_in_use(self) -> int:
-        return sum(e.prefill_seats + e.decode_seats for e in self.engines)
-
     def admitted(self, phase: Phase, now: float | None = None) -> list[Engine]:
         now = _now() if now is None else now
         return [e for e in self.engines if e.serves(phase) and e.state(now) is EngineState.ADMITTED]
