@@ -79,9 +79,9 @@ def problem(data: object) -> str:
 def test_sections_left_out_take_their_documented_defaults() -> None:
     config = parse_config(MINIMAL)
     assert config.server == ServerConfig("127.0.0.1", 8000, 30.0, 30.0, (), ())
-    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 480.0, None, None)
+    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 30.0, None, None)
     assert config.serving == ServingConfig(600.0, 1, 10, 0.1, 4_194_304, 1024, 30.0)
-    assert config.recovery == RecoveryConfig(3, 10.0, 0.0, RestartPolicy.INDIVIDUAL)
+    assert config.recovery == RecoveryConfig(3, 0.5, 10.0, 1.0, 0.0, RestartPolicy.INDIVIDUAL)
     assert config.journal == JournalConfig(None)
     assert config.engine_contract is None
 
@@ -421,10 +421,23 @@ def test_model_and_engines_are_required() -> None:
 # --- The engine contract -------------------------------------------------------------------
 
 
-def test_the_engine_contract_requires_its_five_fields() -> None:
-    assert problems({**MINIMAL, "engine_contract": {}}) == tuple(
-        f"engine_contract.{key}: required key is missing" for key in CONTRACT
+def test_an_engine_contract_that_pins_nothing_is_refused() -> None:
+    assert problem({**MINIMAL, "engine_contract": {}}) == (
+        "engine_contract: pins nothing: name at least one field, or leave the table out"
     )
+
+
+@pytest.mark.parametrize("key", sorted(CONTRACT))
+def test_the_engine_contract_may_pin_any_one_field_alone(key: str) -> None:
+    contract = parse_config({**MINIMAL, "engine_contract": {key: CONTRACT[key]}}).engine_contract
+    assert contract is not None and contract.pinned() == {key: CONTRACT[key]}
+
+
+def test_a_contract_field_left_out_is_not_pinned() -> None:
+    data = {**MINIMAL, "engine_contract": {"engine_version": "0.32.0", "block_size": 128}}
+    contract = parse_config(data).engine_contract
+    assert contract == EngineContract(engine_version="0.32.0", block_size=128)
+    assert contract.model is None and contract.tp_size is None
 
 
 def test_the_engine_contract_keeps_other_keys_as_read_only_extras() -> None:
@@ -643,10 +656,42 @@ def test_validate_prints_a_summary_and_ok_and_returns_zero(
         f"{DATA / 'small.toml'}: OK",
         "  model: tiny",
         "  engines: 2 (1 prefill, 1 decode, 0 both)",
-        "  timeouts: first token 3 s, decode read 10 s, prefill 20 s, request 60 s",
+        "  timeouts: first token 3 s, decode read 10 s, prefill 20 s, queue 30 s, request 60 s",
         "  handoff bound: 25.4167 s (kv lease 30.5 s less a sixth)",
-        "  engine contract: version 0.11.0, NixlConnector, block size 16, tp 1",
+        "  breaker: eject after 3 failures, at most 0.5 of a phase ejected; readmission every "
+        "10 s, 1 s while a phase has no admitted engine",
+        '  engine contract: engine_version = "0.11.0", model = "tiny", connector = '
+        '"NixlConnector", block_size = 16, tp_size = 1, dtype = "bfloat16", enforce_eager = true',
     ]
+
+
+def test_an_unset_timeout_is_clamped_to_the_request_deadline_and_shown_as_derived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({**MINIMAL, "serving": {"request_timeout_s": 2.5}}))
+    config = load_config(path)
+    assert config.serving.queue_timeout_s == 2.5
+    assert config.engine.prefill_timeout_s == 2.5
+    assert config.engine.decode_read_timeout_s == 2.5
+    assert config.engine.first_token_timeout_s == 2.5
+    assert validate_command(path) == 0
+    out = capsys.readouterr().out
+    assert "first token 2.5 s, decode read 2.5 s (derived), prefill 2.5 s (derived)" in out
+    assert "queue 2.5 s (derived), request 2.5 s" in out
+
+
+def test_an_unset_urgent_interval_follows_a_shorter_readmission_interval() -> None:
+    config = parse_config({**MINIMAL, "recovery": {"readmit_interval_s": 0.5}})
+    assert config.recovery.urgent_readmit_interval_s == 0.5
+    assert config.derived == ("recovery.urgent_readmit_interval_s",)
+
+
+def test_two_explicit_contradictory_values_are_still_an_error() -> None:
+    data = {**MINIMAL, "serving": {"request_timeout_s": 2.5, "queue_timeout_s": 5}}
+    assert problem(data) == (
+        "serving.queue_timeout_s: must not exceed serving.request_timeout_s (2.5), got 5"
+    )
 
 
 def test_validate_reports_each_problem_and_returns_one(

@@ -15,7 +15,7 @@ import re
 import sys
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final, TypeGuard, TypeVar
@@ -76,7 +76,9 @@ class EngineConfig:
     prefill_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     health_timeout_s: float = 5.0
-    kv_lease_s: float = 480.0
+    # vLLM 0.32's NixlConnector holds unpulled blocks for a 30 s lease
+    # (`kv_connector_extra_config.kv_lease_duration`); older versions for 480 s.
+    kv_lease_s: float = 30.0
     api_key_env: str | None = None
     ca_bundle: str | None = None
 
@@ -99,7 +101,12 @@ class RecoveryConfig:
     """`[recovery]`: ejection, readmission and quarantine of failing engines."""
 
     eject_after: int = 3
+    # At most this share of a phase's engines may be ejected at once (one may always go
+    # while others remain), so the breaker never empties a phase on its own.
+    max_ejected_fraction: float = 0.5
     readmit_interval_s: float = 10.0
+    # How often an ejected engine is judged while a phase it serves has no admitted engine.
+    urgent_readmit_interval_s: float = 1.0
     failure_quarantine_s: float = 0.0
     restart_policy: RestartPolicy = RestartPolicy.INDIVIDUAL
 
@@ -113,16 +120,32 @@ class JournalConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineContract:
-    """`[engine_contract]`: what every engine must be; `extra` holds the free-form fields."""
+    """`[engine_contract]`: what every engine must be. Any subset may be pinned (a rolling
+    upgrade may pin only `engine_version`); None is not pinned, and not checked. `extra`
+    holds the free-form fields."""
 
-    engine_version: str
-    model: str
-    connector: str
-    block_size: int
-    tp_size: int
+    engine_version: str | None = None
+    model: str | None = None
+    connector: str | None = None
+    block_size: int | None = None
+    tp_size: int | None = None
     extra: Mapping[str, ContractValue] = field(
         default_factory=lambda: MappingProxyType({}), hash=False
     )
+
+    def pinned(self) -> dict[str, ContractValue]:
+        """Every pinned field by name, the model included."""
+        named = {
+            "engine_version": self.engine_version,
+            "model": self.model,
+            "connector": self.connector,
+            "block_size": self.block_size,
+            "tp_size": self.tp_size,
+        }
+        return {
+            **{key: value for key, value in named.items() if value is not None},
+            **self.extra,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +177,8 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
     engine_contract: EngineContract | None = None
+    # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
+    derived: tuple[str, ...] = ()
 
     @property
     def handoff_bound_s(self) -> float:
@@ -230,31 +255,48 @@ def validate_command(path: Path) -> int:
 
 
 def _summary(config: Config, source: str) -> str:
-    engine, serving = config.engine, config.serving
+    engine, serving, recovery = config.engine, config.serving, config.recovery
     roles = ", ".join(
         f"{sum(spec.role is role for spec in config.engines)} {role}" for role in Role
     )
-    decode_read = f"{engine.decode_read_timeout_s:g} s" if engine.decode_read_timeout_s else "off"
+
+    def seconds(path: str, value: float) -> str:
+        shown = f"{value:g} s" if value else "off"
+        return shown + (" (derived)" if path in config.derived else "")
+
     contract = config.engine_contract
     pinned = (
-        f"version {contract.engine_version}, {contract.connector}, "
-        f"block size {contract.block_size}, tp {contract.tp_size}"
+        ", ".join(f"{key} = {_show(value)}" for key, value in contract.pinned().items())
         if contract
         else "none"
     )
-    return "\n".join(
-        [
-            f"{source}: OK",
-            f"  model: {config.model}",
-            f"  engines: {len(config.engines)} ({roles})",
-            f"  timeouts: first token {engine.first_token_timeout_s:g} s, "
-            f"decode read {decode_read}, prefill {engine.prefill_timeout_s:g} s, "
-            f"request {serving.request_timeout_s:g} s",
-            f"  handoff bound: {config.handoff_bound_s:g} s "
-            f"(kv lease {engine.kv_lease_s:g} s less a sixth)",
-            f"  engine contract: {pinned}",
-        ]
-    )
+    lines = [
+        f"{source}: OK",
+        f"  model: {config.model}",
+        f"  engines: {len(config.engines)} ({roles})",
+        "  timeouts: first token "
+        + seconds("engine.first_token_timeout_s", engine.first_token_timeout_s)
+        + ", decode read "
+        + seconds("engine.decode_read_timeout_s", engine.decode_read_timeout_s)
+        + ", prefill "
+        + seconds("engine.prefill_timeout_s", engine.prefill_timeout_s)
+        + ", queue "
+        + seconds("serving.queue_timeout_s", serving.queue_timeout_s)
+        + f", request {serving.request_timeout_s:g} s",
+        f"  handoff bound: {config.handoff_bound_s:g} s "
+        f"(kv lease {engine.kv_lease_s:g} s less a sixth)",
+        f"  breaker: eject after {recovery.eject_after} failures, at most "
+        f"{recovery.max_ejected_fraction:g} of a phase ejected; readmission every "
+        f"{recovery.readmit_interval_s:g} s, "
+        + seconds("recovery.urgent_readmit_interval_s", recovery.urgent_readmit_interval_s)
+        + " while a phase has no admitted engine",
+        f"  engine contract: {pinned}",
+    ]
+    if config.derived:
+        lines.append(
+            "  (derived): unset, so clamped from the default to fit the key it must not exceed"
+        )
+    return "\n".join(lines)
 
 
 # --- Reading -------------------------------------------------------------------------------
@@ -362,6 +404,16 @@ class _Table:
         self.fail(key, f"must be a number {bound}, got {_show(value)}")
         return default
 
+    def fraction(self, key: str, default: float) -> float:
+        """A number in 0..1; ints 0 and 1 are accepted, booleans are not."""
+        value = self.take(key, required=False)
+        if value is _MISSING:
+            return default
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1:
+            return float(value)
+        self.fail(key, f"must be a number in 0..1, got {_show(value)}")
+        return default
+
     def string(
         self,
         key: str,
@@ -383,6 +435,21 @@ class _Table:
     def optional_string(self, key: str) -> str | None:
         """A non-empty string, or None when the key is absent."""
         return self.string(key, "") or None
+
+    def optional_integer(self, key: str, low: int) -> int | None:
+        """An int >= low, or None when the key is absent."""
+        if not self.has(key):
+            self.take(key, required=False)
+            return None
+        return self.integer(key, low, low)
+
+    def failed(self) -> bool:
+        """Whether any problem concerns this table or a key in it."""
+        return self._problems.failed(self._path)
+
+    def fail_table(self, message: str) -> None:
+        """A problem with the table as a whole."""
+        self._problems.add(self._path, message)
 
     def strings(
         self, key: str, *, pattern: re.Pattern[str] | None = None, secret: bool = False
@@ -511,12 +578,14 @@ def _build(raw: object, source: str) -> Config:
     config = Config(
         model, tuple(engines.values()), server, engine, serving, recovery, journal, contract
     )
+    config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)
     if entries is not None:
         complete = len(engines) == len(entries)
         _check_engines(engines, complete, config.server, problems)
     if (
         contract
+        and contract.model is not None
         and contract.model != model
         and not problems.failed("model", "engine_contract.model")
     ):
@@ -596,7 +665,11 @@ def _recovery(table: _Table) -> RecoveryConfig:
     d = RecoveryConfig()
     recovery = RecoveryConfig(
         eject_after=table.integer("eject_after", d.eject_after, 1),
+        max_ejected_fraction=table.fraction("max_ejected_fraction", d.max_ejected_fraction),
         readmit_interval_s=table.number("readmit_interval_s", d.readmit_interval_s),
+        urgent_readmit_interval_s=table.number(
+            "urgent_readmit_interval_s", d.urgent_readmit_interval_s
+        ),
         failure_quarantine_s=table.number(
             "failure_quarantine_s", d.failure_quarantine_s, zero_ok=True
         ),
@@ -613,11 +686,13 @@ def _journal(table: _Table) -> JournalConfig:
 
 
 def _contract(table: _Table) -> EngineContract:
-    engine_version = table.string("engine_version", None)
-    model = table.string("model", None)
-    connector = table.string("connector", None)
-    block_size = table.integer("block_size", None, 1)
-    tp_size = table.integer("tp_size", None, 1)
+    contract = EngineContract(
+        engine_version=table.optional_string("engine_version"),
+        model=table.optional_string("model"),
+        connector=table.optional_string("connector"),
+        block_size=table.optional_integer("block_size", 1),
+        tp_size=table.optional_integer("tp_size", 1),
+    )
     extra: dict[str, ContractValue] = {}
     for key, value in table.rest().items():
         finite = not isinstance(value, float) or math.isfinite(value)
@@ -625,9 +700,10 @@ def _contract(table: _Table) -> EngineContract:
             extra[key] = value
         else:
             table.fail(key, f"must be a string, a finite number or a boolean, got {_show(value)}")
-    return EngineContract(
-        engine_version, model, connector, block_size, tp_size, MappingProxyType(extra)
-    )
+    contract = replace(contract, extra=MappingProxyType(extra))
+    if not contract.pinned() and not table.failed():
+        table.fail_table("pins nothing: name at least one field, or leave the table out")
+    return contract
 
 
 def _engine_spec(table: _Table) -> EngineSpec:
@@ -693,20 +769,45 @@ def _address(url: str) -> tuple[str, str, int]:
 # --- Cross-field checks --------------------------------------------------------------------
 
 
+# Keys whose default may not fit beside another key's value: (table, key, bounding table, key).
+# An unset key takes the smaller of its default and the bound; only explicit values conflict.
+_BOUNDED: Final = (
+    ("engine", "first_token_timeout_s", "serving", "request_timeout_s"),
+    ("engine", "prefill_timeout_s", "serving", "request_timeout_s"),
+    ("engine", "decode_read_timeout_s", "serving", "request_timeout_s"),
+    ("serving", "queue_timeout_s", "serving", "request_timeout_s"),
+    ("recovery", "urgent_readmit_interval_s", "recovery", "readmit_interval_s"),
+)
+
+
+def _explicit(raw: Mapping[object, object], table: str, key: str) -> bool:
+    section = raw.get(table)
+    return isinstance(section, Mapping) and key in section
+
+
+def _derive_defaults(config: Config, raw: Mapping[object, object]) -> Config:
+    """Clamp unset values that depend on another key to what that key allows; the clamped
+    key paths are listed in `Config.derived`."""
+    derived = []
+    for table, key, bound_table, bound_key in _BOUNDED:
+        if _explicit(raw, table, key):
+            continue
+        section = getattr(config, table)
+        bound = getattr(getattr(config, bound_table), bound_key)
+        if getattr(section, key) > bound:
+            config = replace(config, **{table: replace(section, **{key: bound})})
+            derived.append(f"{table}.{key}")
+    return replace(config, derived=tuple(derived))
+
+
 def _check_timeouts(config: Config, problems: _Problems) -> None:
-    """Timeouts that the request deadline or the KV lease would make unreachable."""
-    engine, request = config.engine, config.serving.request_timeout_s
-    bounded = [
-        ("engine.first_token_timeout_s", engine.first_token_timeout_s),
-        ("engine.prefill_timeout_s", engine.prefill_timeout_s),
-        ("engine.decode_read_timeout_s", engine.decode_read_timeout_s),
-        ("serving.queue_timeout_s", config.serving.queue_timeout_s),
-    ]
-    for path, value in bounded:
-        if value > request and not problems.failed(path, "serving.request_timeout_s"):
-            problems.add(
-                path, f"must not exceed serving.request_timeout_s ({request:g}), got {value:g}"
-            )
+    """Explicit values that another explicit (or default) value makes unreachable."""
+    for table, key, bound_table, bound_key in _BOUNDED:
+        path, bound_path = f"{table}.{key}", f"{bound_table}.{bound_key}"
+        value = getattr(getattr(config, table), key)
+        bound = getattr(getattr(config, bound_table), bound_key)
+        if value > bound and not problems.failed(path, bound_path):
+            problems.add(path, f"must not exceed {bound_path} ({bound:g}), got {value:g}")
 
 
 def _check_engines(

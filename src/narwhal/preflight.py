@@ -16,7 +16,13 @@ import aiohttp
 
 from narwhal.config import Config, ConfigError, EngineSpec, load_config
 from narwhal.engines.client import EngineClient
-from narwhal.engines.identity import IdentityError, contract_mismatches, read_identity
+from narwhal.engines.identity import (
+    HANDOFF_FIELDS,
+    IdentityError,
+    contract_mismatches,
+    handoff_mismatches,
+    read_identity,
+)
 from narwhal.engines.probe import probe_transfer
 from narwhal.protocol.errors import NarwhalError
 from narwhal.secrets import Secrets, SecretsError, load_secrets
@@ -77,7 +83,12 @@ async def check_engine(config: Config, session: aiohttp.ClientSession, spec: Eng
     mismatches = contract_mismatches(identity, contract)
     if mismatches:
         return Row("engine", spec.id, False, "; ".join(mismatches))
-    return Row("engine", spec.id, True, "healthy, meets the contract")
+    deferred = sorted(HANDOFF_FIELDS & contract.pinned().keys())
+    checked = [key for key in contract.pinned() if key not in deferred]
+    detail = "healthy, meets the contract (pinned: " + ", ".join(checked)
+    if deferred:
+        detail += "; " + ", ".join(deferred) + " checked on its transfer"
+    return Row("engine", spec.id, True, detail + ")")
 
 
 async def check_transfer(
@@ -91,15 +102,9 @@ async def check_transfer(
     except NarwhalError as error:
         return Row("transfer", subject, False, error.message)
     contract = config.engine_contract
-    if contract is not None and transfer.descriptor is not None:
-        tp_size = transfer.descriptor.get("tp_size", contract.tp_size)
-        if tp_size != contract.tp_size:
-            return Row(
-                "transfer",
-                subject,
-                False,
-                f"tp_size: expected {contract.tp_size!r}, descriptor says {tp_size!r}",
-            )
+    mismatches = handoff_mismatches(contract, transfer.descriptor) if contract else []
+    if mismatches:
+        return Row("transfer", subject, False, "; ".join(mismatches))
     kind = "same-worker" if producer.id == consumer.id else "KV transfer"
     return Row("transfer", subject, True, f"{kind} ok, decoded {transfer.text!r}")
 

@@ -81,6 +81,33 @@ async def test_a_healthy_fleet_passes_every_check() -> None:
     assert "5/5 checks passed" in format_report(rows)
 
 
+async def test_a_contract_pinning_only_the_version_checks_only_the_version() -> None:
+    options = sim_options("p0", "p1", "d0")
+    # A field that is not pinned may differ: only engine_version is compared.
+    options[1] = replace(options[1], block_size=32)
+    async with SimFleet(options) as fleet:
+        contract = {"engine_version": CONTRACT["engine_version"]}
+        config = parse_config(fleet_config(fleet, engine_contract=contract))
+        rows = await run_preflight(config)
+    assert all(row.ok for row in rows), format_report(rows)
+    details = {row.subject: row.detail for row in rows}
+    assert details["p1"] == "healthy, meets the contract (pinned: engine_version)"
+
+
+async def test_a_pinned_tp_size_is_checked_on_the_transfer_descriptor() -> None:
+    async with SimFleet(sim_options("p0", "p1", "d0")) as fleet:
+        contract = {"engine_version": CONTRACT["engine_version"], "tp_size": 2}
+        data = fleet_config(fleet, engine_contract=contract)
+        for entry in data["engines"]:
+            del entry["identity_url"]  # so that only a handoff shows tp_size, as with vLLM
+        rows = await run_preflight(parse_config(data))
+    details = {row.subject: row.detail for row in rows if not row.ok}
+    assert details == {
+        "p0 -> d0": "tp_size: expected 2, descriptor says 1",
+        "p1 -> d0": "tp_size: expected 2, descriptor says 1",
+    }
+
+
 async def test_a_contract_mismatch_names_the_engine_and_field() -> None:
     options = sim_options("p0", "p1", "d0")
     options[1] = replace(options[1], block_size=32)

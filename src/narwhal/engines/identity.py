@@ -1,9 +1,12 @@
 """What an engine says it is, read from what it serves, and the pinned contract it must meet.
 
-vLLM exposes its version (`/version`), served models (`/v1/models`) and process start
-time (`/metrics`); the KV connector and block size it does not, so an engine may name an
-`identity_url` returning a JSON object of contract fields. A probe handoff's descriptor
-adds `tp_size` and the engine's KV identity.
+vLLM exposes its version (`/version`), served models (`/v1/models`), and in `/metrics` its
+process start time and its cache configuration (`vllm:cache_config_info`, whose labels
+include `block_size`). The KV connector and the tensor-parallel size show in a handoff:
+every descriptor carries `tp_size`, and a descriptor that passes the NIXL rules was issued
+by a NixlConnector. These two are checked against the probe's descriptor, not the engine's
+own answers. An engine may also name an `identity_url` returning a JSON object of contract
+fields; what it says wins over what was read elsewhere.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ import aiohttp
 import orjson
 
 from narwhal.config import EngineContract, EngineSpec
+from narwhal.engines.connector import NIXL_CONNECTOR
 
 _START_TIME = re.compile(rb"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+# Contract fields only a handoff shows; with no descriptor at hand they wait for the probe.
+HANDOFF_FIELDS = frozenset({"tp_size", "connector"})
 
 
 @dataclass(slots=True)
@@ -52,10 +60,11 @@ async def read_identity(
     except (aiohttp.ClientError, ValueError) as exc:
         raise IdentityError(f"could not read the engine's identity: {exc}") from None
     identity = Identity()
-    if isinstance(extra, dict):
-        identity.fields.update(extra)
+    identity.fields.update(cache_config(metrics))
     if isinstance(version, dict) and isinstance(version.get("version"), str):
         identity.fields["engine_version"] = version["version"]
+    if isinstance(extra, dict):
+        identity.fields.update(extra)
     data = models.get("data") if isinstance(models, dict) else None
     if isinstance(data, list):
         identity.models = [m["id"] for m in data if isinstance(m, dict) and "id" in m]
@@ -64,6 +73,17 @@ async def read_identity(
         with contextlib.suppress(ValueError):
             identity.process_start_time = float(match.group(1))
     return identity
+
+
+def cache_config(metrics: bytes) -> dict[str, Any]:
+    """The labels of vLLM's `vllm:cache_config_info` series; whole numbers become ints."""
+    match = _CACHE_INFO.search(metrics)
+    if match is None:
+        return {}
+    fields: dict[str, Any] = {}
+    for key, value in _LABEL.findall(match.group(1).decode("utf-8", "replace")):
+        fields[key] = int(value) if value.isdigit() else value
+    return fields
 
 
 async def _none() -> None:
@@ -87,24 +107,44 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
 def contract_mismatches(
     identity: Identity, contract: EngineContract, descriptor: dict[str, Any] | None = None
 ) -> list[str]:
-    """One message per pinned field the engine does not meet (empty when it meets all)."""
+    """One message per pinned field the engine does not meet (empty when it meets all).
+
+    Fields not pinned are not checked. Without a `descriptor`, the handoff fields
+    (`HANDOFF_FIELDS`) the engine does not expose itself are left to `handoff_mismatches`.
+    """
     seen = dict(identity.fields)
-    if descriptor is not None and "tp_size" in descriptor:
-        seen.setdefault("tp_size", descriptor["tp_size"])
-    pinned: dict[str, Any] = {
-        "engine_version": contract.engine_version,
-        "connector": contract.connector,
-        "block_size": contract.block_size,
-        "tp_size": contract.tp_size,
-        **contract.extra,
-    }
+    if descriptor is not None:
+        for key, value in _handoff_fields(descriptor).items():
+            seen.setdefault(key, value)
     problems = []
-    if contract.model not in identity.models and seen.get("model") != contract.model:
-        served = ", ".join(identity.models) or "nothing"
-        problems.append(f"model: expected {contract.model!r}, engine serves {served}")
-    for key, expected in pinned.items():
-        if key not in seen:
+    for key, expected in contract.pinned().items():
+        if key == "model":
+            if expected not in identity.models and seen.get("model") != expected:
+                served = ", ".join(identity.models) or "nothing"
+                problems.append(f"model: expected {expected!r}, engine serves {served}")
+        elif key in seen:
+            if seen[key] != expected:
+                problems.append(f"{key}: expected {expected!r}, got {seen[key]!r}")
+        elif descriptor is not None or key not in HANDOFF_FIELDS:
             problems.append(f"{key}: not exposed by the engine (give it an identity_url)")
-        elif seen[key] != expected:
-            problems.append(f"{key}: expected {expected!r}, got {seen[key]!r}")
     return problems
+
+
+def handoff_mismatches(contract: EngineContract, descriptor: dict[str, Any] | None) -> list[str]:
+    """The pinned handoff fields (`tp_size`, `connector`) against a probe's descriptor."""
+    if descriptor is None:
+        return []
+    shown = _handoff_fields(descriptor)
+    return [
+        f"{key}: expected {expected!r}, descriptor says {shown.get(key)!r}"
+        for key, expected in contract.pinned().items()
+        if key in HANDOFF_FIELDS and shown.get(key) != expected
+    ]
+
+
+def _handoff_fields(descriptor: dict[str, Any]) -> dict[str, Any]:
+    # Only descriptors that passed the NIXL rules reach here (the probe validates them).
+    fields: dict[str, Any] = {"connector": NIXL_CONNECTOR}
+    if "tp_size" in descriptor:
+        fields["tp_size"] = descriptor["tp_size"]
+    return fields
