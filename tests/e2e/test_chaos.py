@@ -10,7 +10,7 @@ from narwhal.chaos import FAULTS, OUTAGE, ChaosOptions, format_report, run_chaos
 from narwhal.protocol.errors import Cause, engine_error
 from support import COMPLETION, StackFactory, engine_state
 
-QUICK = {"eject_after": 1, "readmit_interval_s": 0.1}
+QUICK = {"eject_after": 1, "readmit_interval_s": 0.1, "max_ejected_fraction": 1.0}
 
 
 async def test_a_fleet_with_every_engine_ejected_is_readmitted_once_its_engines_work(

@@ -236,7 +236,9 @@ async def test_ejection_probe_and_readmission_are_metrics_journal_lines_and_logs
     make_stack: StackFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="narwhal")
-    async with make_stack(recovery={"eject_after": 1, "readmit_interval_s": 0.1}) as stack:
+    async with make_stack(
+        recovery={"eject_after": 1, "readmit_interval_s": 0.1, "max_ejected_fraction": 1}
+    ) as stack:
         arm(stack.engine("d0"), phase="decode", status=500, times=1)
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 502
         ejected = await scrape(stack)
@@ -328,7 +330,14 @@ async def test_text_logs_are_one_readable_line_per_event(
 async def test_journal_summarize_reports_outcomes_latency_and_engines(
     make_stack: StackFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async with make_stack(recovery={"eject_after": 1, "readmit_interval_s": 60.0}) as stack:
+    async with make_stack(
+        recovery={
+            "eject_after": 1,
+            "readmit_interval_s": 60.0,
+            "urgent_readmit_interval_s": 60.0,
+            "max_ejected_fraction": 1,
+        }
+    ) as stack:
         for _ in range(3):
             assert (await stack.post("/v1/completions", STREAM))[0] == 200
         arm(stack.engine("d0"), phase="decode", status=500, times=1)

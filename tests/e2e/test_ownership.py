@@ -137,15 +137,34 @@ async def test_a_client_that_leaves_the_queue_takes_no_seat(make_stack: StackFac
         assert sorted(line["status"] for line in lines) == [200, 499]
 
 
-async def test_no_admitted_consumer_is_503_naming_the_phase(make_stack: StackFactory) -> None:
+async def test_a_quarantined_last_consumer_still_serves_by_panic_placement(
+    make_stack: StackFactory,
+) -> None:
     async with make_stack(recovery={"failure_quarantine_s": 5.0}) as stack:
         arm(stack.engine("d0"), phase="decode", status=500, times=1)
         status, _ = await stack.post("/v1/completions", COMPLETION)
         assert status == 502
-        status, body = await stack.post("/v1/completions", COMPLETION)
-        assert status == 503 and body["error"]["message"] == "no admitted engine can decode"
         state = await state_of(stack)
-        assert state["engines"][1]["state"] == "quarantined"
+        assert state["engines"][1]["state"] == "quarantined" and state["degraded"]
+        status, _ = await stack.post("/v1/completions", COMPLETION)
+        assert status == 200
+        lines = await stack.journal(2, kind="request")
+        assert [line["panic"] for line in lines] == [False, True]
+        assert (await state_of(stack))["engines"][1]["panic_placements"] == 1
+
+
+async def test_no_consumer_that_accepts_connections_is_503_naming_the_phase(
+    make_stack: StackFactory,
+) -> None:
+    async with make_stack(recovery={"failure_quarantine_s": 5.0}) as stack:
+        await stack.engine("d0").crash()
+        status, _ = await stack.post("/v1/completions", COMPLETION)
+        assert status == 502
+        status, body = await stack.post("/v1/completions", COMPLETION)
+        assert status == 503
+        assert body["error"]["message"] == (
+            "no engine can decode: none of the 1 is admitted (1 refuse connections)"
+        )
 
 
 async def test_a_transient_fault_retries_on_another_engine_with_fresh_ids(

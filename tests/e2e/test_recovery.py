@@ -23,8 +23,14 @@ from support import (
 )
 
 STREAM = {**COMPLETION, "stream": True}
-QUICK = {"eject_after": 2, "readmit_interval_s": 0.1}
-SLOW = {"eject_after": 2, "readmit_interval_s": 60.0}
+# One engine per phase: the breaker may eject the last of a phase here.
+QUICK = {"eject_after": 2, "readmit_interval_s": 0.1, "max_ejected_fraction": 1.0}
+SLOW = {
+    "eject_after": 2,
+    "readmit_interval_s": 60.0,
+    "urgent_readmit_interval_s": 60.0,
+    "max_ejected_fraction": 1.0,
+}
 
 
 async def fail_decodes(stack: Stack, engine: str, count: int) -> None:
@@ -42,8 +48,10 @@ async def test_consecutive_failures_eject_with_the_reason_visible(
         d0 = await engine_state(stack, "d0", "ejected")
         assert d0["state"] == "ejected" and d0["streak"] == 2 and d0["ejections"] == 1
         assert d0["ejection_reason"].startswith("2 consecutive failures; last: http_status")
-        status, body = await stack.post("/v1/completions", COMPLETION)
-        assert status == 503 and body["error"]["message"] == "no admitted engine can decode"
+        # The last consumer is out, yet it accepts connections: panic placement uses it.
+        status, _ = await stack.post("/v1/completions", COMPLETION)
+        assert status == 200
+        assert (await stack.journal(3, kind="request"))[-1]["panic"] is True
 
 
 async def test_a_success_resets_the_streak(make_stack: StackFactory) -> None:
@@ -146,6 +154,24 @@ async def test_a_restart_with_a_different_contract_stays_out(make_stack: StackFa
         assert d0["ejection_reason"] == (
             "contract mismatch: engine_version: expected '0.11.0', got '0.12.0'"
         )
+        # Not even panic placement sends work to an engine that breaks the contract.
+        status, body = await stack.post("/v1/completions", COMPLETION)
+        assert status == 503 and body["error"]["message"] == (
+            "no engine can decode: none of the 1 is admitted (1 break the engine contract)"
+        )
+
+
+async def test_a_contract_pinning_only_the_version_readmits_a_restarted_engine(
+    make_stack: StackFactory,
+) -> None:
+    contract = {"engine_version": CONTRACT["engine_version"]}
+    async with make_stack(recovery=QUICK, engine_contract=contract) as stack:
+        await fail_decodes(stack, "d0", 2)
+        await stack.engine("d0").restart()
+        d0 = await engine_state(stack, "d0", "admitted")
+        assert d0["state"] == "admitted" and d0["probes"]["success"] >= 1
+        state = await router_state(stack)
+        assert state["engine_contract"] == contract
 
 
 WAVE = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("d2", "decode"))

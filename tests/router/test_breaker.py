@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from narwhal.config import EngineSpec, Role
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
-from narwhal.router.breaker import COUNTED, Breaker, counts
+from narwhal.router.breaker import COUNTED, Breaker, counts, may_eject
 from narwhal.router.fleet import EngineEvent, Fleet
 
 
@@ -47,7 +49,7 @@ def test_consecutive_failures_eject_at_the_threshold_with_a_reason() -> None:
     engines = fleet()
     events: list[EngineEvent] = []
     engines.listeners.append(events.append)
-    breaker = Breaker(engines, eject_after=3)
+    breaker = Breaker(engines, eject_after=3, max_ejected_fraction=1.0)
     assert not breaker.failure(fault(Cause.SILENCE))
     assert not breaker.failure(fault(Cause.CLOSED_EARLY))
     assert breaker.failure(fault(Cause.FIRST_TOKEN_TIMEOUT), producer="p0")
@@ -60,7 +62,7 @@ def test_consecutive_failures_eject_at_the_threshold_with_a_reason() -> None:
 
 def test_a_success_resets_the_streak() -> None:
     engines = fleet()
-    breaker = Breaker(engines, eject_after=2)
+    breaker = Breaker(engines, eject_after=2, max_ejected_fraction=1.0)
     breaker.failure(fault(Cause.SILENCE))
     breaker.success("d0")
     assert not breaker.failure(fault(Cause.SILENCE))
@@ -69,7 +71,7 @@ def test_a_success_resets_the_streak() -> None:
 
 def test_an_ejected_engine_is_not_ejected_twice() -> None:
     engines = fleet()
-    breaker = Breaker(engines, eject_after=1)
+    breaker = Breaker(engines, eject_after=1, max_ejected_fraction=1.0)
     assert breaker.failure(fault(Cause.CONNECT))
     assert not breaker.failure(fault(Cause.CONNECT))
     assert engines.by_id["d0"].ejections == 1
@@ -77,3 +79,100 @@ def test_an_ejected_engine_is_not_ejected_twice() -> None:
 
 def test_unknown_engines_are_ignored() -> None:
     assert not Breaker(fleet(), eject_after=1).failure(fault(Cause.CONNECT, engine="zz"))
+
+
+# The cap on ejection (`max_ejected_fraction`) -------------------------------------------
+
+
+@given(
+    members=st.integers(1, 64),
+    ejected=st.integers(0, 64),
+    fraction=st.floats(0, 1, allow_nan=False),
+)
+def test_ejection_never_empties_a_phase_and_one_may_go_while_others_remain(
+    members: int, ejected: int, fraction: float
+) -> None:
+    ejected = min(ejected, members)
+    allowed = may_eject(members, ejected, fraction)
+    if fraction < 1 and allowed:
+        assert ejected + 1 < members  # never the whole phase
+    if members > 1 and ejected == 0:
+        assert allowed  # one may always go while others remain
+    if allowed and ejected >= 1:
+        assert ejected + 1 <= fraction * members + 1e-6  # past the first, the fraction holds
+    if fraction == 1:
+        assert allowed == (ejected < members)
+
+
+@pytest.mark.parametrize(
+    ("members", "ejected", "fraction", "allowed"),
+    [
+        (1, 0, 0.5, False),
+        (1, 0, 1.0, True),
+        (2, 0, 0.5, True),
+        (2, 1, 0.5, False),
+        (3, 0, 0.5, True),
+        (3, 1, 0.5, False),
+        (4, 1, 0.5, True),
+        (4, 2, 0.5, False),
+        (10, 0, 0.0, True),
+        (10, 1, 0.0, False),
+        (2, 1, 1.0, True),
+    ],
+)
+def test_the_cap_table(members: int, ejected: int, fraction: float, allowed: bool) -> None:
+    assert may_eject(members, ejected, fraction) is allowed
+
+
+def test_the_last_engine_of_a_phase_is_spared_once_per_streak_and_stays_admitted() -> None:
+    engines = fleet()
+    events: list[EngineEvent] = []
+    engines.listeners.append(events.append)
+    breaker = Breaker(engines, eject_after=2)
+    for _ in range(4):
+        assert not breaker.failure(fault(Cause.HTTP_STATUS, status=500))
+    d0 = engines.by_id["d0"]
+    assert not d0.ejected and d0.spared and d0.spares == 1 and d0.streak == 4
+    assert [e.kind for e in events] == ["spared"]
+    assert "too few decode engines (recovery.max_ejected_fraction 0.5)" in events[0].detail
+    breaker.success("d0")
+    assert not d0.spared and d0.streak == 0
+    for _ in range(2):
+        breaker.failure(fault(Cause.SILENCE))
+    assert d0.spares == 2
+
+
+def test_an_engine_refusing_connections_is_ejected_even_when_last_of_its_phase() -> None:
+    engines = fleet()
+    breaker = Breaker(engines, eject_after=2)
+    breaker.failure(fault(Cause.HTTP_STATUS, status=500))
+    assert breaker.failure(fault(Cause.CONNECT))
+    d0 = engines.by_id["d0"]
+    assert d0.ejected and d0.refusing
+
+
+def test_a_failure_after_a_connection_clears_refusing_and_a_success_does_too() -> None:
+    engines = fleet()
+    breaker = Breaker(engines, eject_after=5)
+    breaker.failure(fault(Cause.CONNECT))
+    assert engines.by_id["d0"].refusing
+    breaker.failure(fault(Cause.SILENCE))
+    assert not engines.by_id["d0"].refusing
+    breaker.failure(fault(Cause.CONNECT))
+    breaker.success("d0")
+    assert not engines.by_id["d0"].refusing
+
+
+def test_an_engine_serving_both_phases_is_capped_by_either() -> None:
+    engines = Fleet(
+        [
+            EngineSpec("b0", "http://127.0.0.1:1", Role.BOTH),
+            EngineSpec("b1", "http://127.0.0.1:2", Role.BOTH),
+            EngineSpec("d0", "http://127.0.0.1:3", Role.DECODE),
+        ]
+    )
+    breaker = Breaker(engines, eject_after=1)
+    # Prefill has two members (b0, b1): one may go; then b1 is the last producer.
+    assert breaker.failure(fault(Cause.SILENCE, engine="b0"))
+    assert not breaker.failure(fault(Cause.SILENCE, engine="b1"))
+    assert engines.by_id["b1"].spared

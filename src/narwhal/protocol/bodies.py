@@ -1,4 +1,4 @@
-"""Client request bodies in, the two legs' bodies out (CONTRACT.md, legs 1 and 2).
+"""Client request bodies in, the two legs' bodies out (docs/engine-contract.md, legs 1 and 2).
 
 The client's body is parsed once and checked only for what the router itself relies on;
 the engines validate the rest and their 400s are relayed to the client.

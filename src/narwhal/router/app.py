@@ -103,7 +103,7 @@ def build_app(router: Router, secrets: Secrets) -> web.Application:
         if router.draining:
             return web.json_response({"status": "shutting down"}, status=503)
         if router.fleet.can_serve():
-            return web.json_response({"status": "ok"})
+            return web.json_response({"status": "degraded" if router.fleet.degraded() else "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
     async def state(request: web.Request) -> web.StreamResponse:

@@ -18,14 +18,33 @@ What counts (a table, read top to bottom):
 
 (1) an engine that cannot be reached is not serving; (2) no engine misbehaved.
 
-A success on a leg resets that engine's streak: a completed prefill for the producer, a
-stream that reached [DONE] for the consumer.
+A success on a leg resets that engine's streak: a completed prefill whose descriptor
+passed validation for the producer, a stream that reached [DONE] for the consumer.
+
+When a streak reaches `eject_after`, the engine is ejected unless that would leave too
+little of a phase it serves (Envoy's `max_ejection_percent`):
+
+| the engine...                                           | ejected?               |
+|---------------------------------------------------------|------------------------|
+| refuses connections (its last failure was `connect`)    | yes: it serves nothing |
+| would leave, in every phase it serves, at most          | yes                    |
+|   `max_ejected_fraction` of the phase's engines ejected |                        |
+|   (one engine may always go while others remain)        |                        |
+| otherwise                                               | no: spared, stays in   |
+
+So the breaker alone never empties a phase of engines that accept connections. A spared
+engine keeps its streak and is counted (`spared`); its next success resets both. Should a
+phase still have no admitted engine (every engine refused connections, quarantine, or
+`max_ejected_fraction = 1`), placement degrades instead of refusing (see `fleet`):
+aggregate fallback for prefill, panic placement for decode.
 """
 
 from __future__ import annotations
 
+import math
+
 from narwhal.protocol.errors import Cause, NarwhalError
-from narwhal.router.fleet import EngineEvent, Fleet
+from narwhal.router.fleet import Engine, EngineEvent, Fleet, Phase
 
 COUNTED = frozenset(
     {
@@ -48,12 +67,22 @@ def counts(error: NarwhalError) -> bool:
     return error.is_engine_fault and error.cause in COUNTED
 
 
-class Breaker:
-    """Per-engine failure streaks over a fleet; ejects at `eject_after` in a row."""
+def may_eject(members: int, ejected: int, fraction: float) -> bool:
+    """Whether one more of a phase's `members` may be ejected while `ejected` already are."""
+    allowed = math.floor(fraction * members + 1e-9)
+    if members > 1:
+        allowed = max(allowed, 1)
+    return ejected + 1 <= min(allowed, members)
 
-    def __init__(self, fleet: Fleet, eject_after: int) -> None:
+
+class Breaker:
+    """Per-engine failure streaks over a fleet; ejects at `eject_after` in a row, within
+    `max_ejected_fraction` of each phase."""
+
+    def __init__(self, fleet: Fleet, eject_after: int, max_ejected_fraction: float = 0.5) -> None:
         self.fleet = fleet
         self.eject_after = eject_after
+        self.max_ejected_fraction = max_ejected_fraction
 
     def failure(self, error: NarwhalError, *, producer: str | None = None) -> bool:
         """Record a failed leg; True if it ejected the engine.
@@ -65,7 +94,23 @@ class Breaker:
         if engine is None or not counts(error):
             return False
         engine.streak += 1
+        # Any other failure means the engine took the connection.
+        engine.refusing = error.cause is Cause.CONNECT
         if engine.ejected or engine.streak < self.eject_after:
+            return False
+        if not engine.refusing and (phase := self._would_empty(engine)) is not None:
+            if not engine.spared:
+                engine.spared = True
+                engine.spares += 1
+                self.fleet.emit(
+                    EngineEvent(
+                        "spared",
+                        engine.id,
+                        f"{engine.streak} consecutive failures, but ejecting it would leave "
+                        f"too few {phase} engines (recovery.max_ejected_fraction "
+                        f"{self.max_ejected_fraction:g}); last: {error.cause.value}",
+                    )
+                )
             return False
         engine.ejected = True
         engine.ejections += 1
@@ -76,7 +121,21 @@ class Breaker:
         self.fleet.emit(EngineEvent("ejected", engine.id, engine.ejection_reason))
         return True
 
+    def _would_empty(self, engine: Engine) -> Phase | None:
+        """The first phase the engine serves that its ejection would take past the cap."""
+        for phase in Phase:
+            if not engine.serves(phase):
+                continue
+            members = [e for e in self.fleet.engines if e.serves(phase)]
+            ejected = sum(e.ejected for e in members)
+            if not may_eject(len(members), ejected, self.max_ejected_fraction):
+                return phase
+        return None
+
     def success(self, engine_id: str) -> None:
+        """A leg on this engine succeeded: its streak resets, and it accepts connections."""
         engine = self.fleet.by_id.get(engine_id)
         if engine is not None:
             engine.streak = 0
+            engine.spared = False
+            engine.refusing = False

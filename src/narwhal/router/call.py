@@ -19,6 +19,8 @@ from narwhal.protocol.errors import NarwhalError
 
 # The status recorded for a client that went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499
+# Handoff kinds in which the prompt's prefill ran on another engine than the decode.
+_CROSSED = frozenset({"crossed", "recomputed"})
 
 
 class Stage(StrEnum):
@@ -58,6 +60,8 @@ class Call:
     committed: web.StreamResponse | None = None
     stage: Stage = Stage.ADMISSION
     retry_denied: bool = False
+    # Some attempt was placed on an engine that was not admitted (panic placement).
+    panic: bool = False
     # Every attempt's handoff kind, and every failure (failed attempts', then the final).
     handoffs: list[str] = field(default_factory=list)
     errors: list[NarwhalError] = field(default_factory=list)
@@ -113,8 +117,9 @@ class Call:
             "stream": self.stream,
             "producer": self.producer,
             "consumer": self.consumer,
-            "crossed": None if self.handoff is None else self.handoff != "same_worker",
+            "crossed": None if self.handoff is None else self.handoff in _CROSSED,
             "handoff": self.handoff,
+            "panic": self.panic,
             "attempts": self.attempts,
             "retry_denied": self.retry_denied,
             "backend_request_ids": self.backend_request_ids,

@@ -3,6 +3,18 @@
 The request path asks `Fleet.reserve()` for a producer and a consumer and gets back a
 `Reservation` holding one prefill seat and one decode seat, each released exactly once.
 When no pair of seats is free the request waits in a bounded FIFO queue.
+
+Placement degrades rather than refuse while any engine accepts connections:
+
+| admitted engines                 | placement                                             |
+|----------------------------------|-------------------------------------------------------|
+| a producer and a consumer        | ordinary: a crossed handoff (same engine only when no |
+|                                  |   distinct consumer is admitted)                      |
+| no producer (or only ones this   | aggregate fallback: a consumer serves the whole       |
+|   request already failed on)     |   request alone, no prefill leg, no descriptor        |
+| no consumer                      | panic: decode on a non-admitted decode engine that    |
+|                                  |   does not refuse connections and met its contract    |
+| none of those                    | 503 naming why, with Retry-After                      |
 """
 
 from __future__ import annotations
@@ -53,6 +65,15 @@ class Engine:
     probe_producer: str | None = None
     ejections: int = 0
     quarantines: int = 0
+    # Its last connection attempt was refused (or broke); cleared by any answer.
+    refusing: bool = False
+    # Readmission found it breaks the pinned contract: never placed on, even in panic.
+    mismatched: bool = False
+    # The breaker would have ejected it but for `max_ejected_fraction` (this streak; times).
+    spared: bool = False
+    spares: int = 0
+    # Requests placed on it while it was not admitted (panic placement).
+    panics: int = 0
     # Readmission probes by result: "success", "failure", "inconclusive".
     probes: dict[str, int] = field(default_factory=dict)
 
@@ -121,6 +142,11 @@ class Reservation:
     consumer: Engine
     prefill_held: bool = True
     decode_held: bool = True
+    # Aggregate fallback: the consumer serves the whole request; `producer` is the consumer
+    # and no prefill seat is held.
+    fallback: bool = False
+    # The consumer was not admitted: panic placement.
+    panic: bool = False
 
     @property
     def crossed(self) -> bool:
@@ -182,7 +208,14 @@ class Fleet:
         return [e for e in self.engines if e.serves(phase) and e.state(now) is EngineState.ADMITTED]
 
     def can_serve(self) -> bool:
-        return bool(self.admitted(Phase.PREFILL)) and bool(self.admitted(Phase.DECODE))
+        """Whether placement would find a consumer (admitted, or by panic)."""
+        now = _now()
+        return bool(self.admitted(Phase.DECODE, now) or self.panic_candidates(Phase.DECODE, now))
+
+    def degraded(self) -> bool:
+        """Whether some phase has no admitted engine (fallback or panic placement)."""
+        now = _now()
+        return not (self.admitted(Phase.PREFILL, now) and self.admitted(Phase.DECODE, now))
 
     def quarantine(self, engine: Engine, seconds: float, reason: str) -> None:
         engine.quarantined_until = max(engine.quarantined_until, _now() + seconds)
@@ -194,18 +227,22 @@ class Fleet:
     def try_reserve(self, avoid: frozenset[str] = frozenset()) -> Reservation | None:
         """Seats on a producer and a consumer now, or None if no pair is free.
 
-        Raises 503 when no admitted engine serves a phase at all. Power of two choices
-        over the load estimate; engines in `avoid` (they failed this request before) only
-        when nothing else has a seat. The same engine serves both phases only when no
-        distinct admitted consumer exists.
+        Power of two choices over the load estimate; engines in `avoid` (they failed this
+        request before) only when nothing else has a seat. The same engine serves both
+        phases only when no distinct admitted consumer exists. Without an admitted
+        producer, aggregate fallback; without an admitted consumer, panic placement (the
+        table above); raises 503 only when neither can be had.
         """
         now = _now()
-        producers = self.admitted(Phase.PREFILL, now)
         consumers = self.admitted(Phase.DECODE, now)
-        if not producers:
-            raise NarwhalError(503, "no admitted engine can prefill", Cause.UNAVAILABLE)
-        if not consumers:
-            raise NarwhalError(503, "no admitted engine can decode", Cause.UNAVAILABLE)
+        panic = not consumers
+        if panic:
+            consumers = self.panic_candidates(Phase.DECODE, now)
+            if not consumers:
+                raise self._unservable(Phase.DECODE)
+        producers = self.admitted(Phase.PREFILL, now)
+        if not [p for p in producers if p.id not in avoid]:
+            return self._fallback(consumers, avoid, panic)
         producer = self._pick([e for e in producers if e.has_seat(Phase.PREFILL)], avoid)
         if producer is None:
             return None
@@ -216,7 +253,46 @@ class Fleet:
             return None
         producer.prefill_seats += 1
         consumer.decode_seats += 1
-        return Reservation(self, producer, consumer)
+        if panic:
+            consumer.panics += 1
+        return Reservation(self, producer, consumer, panic=panic)
+
+    def _fallback(
+        self, consumers: list[Engine], avoid: frozenset[str], panic: bool
+    ) -> Reservation | None:
+        consumer = self._pick([c for c in consumers if c.has_seat(Phase.DECODE)], avoid)
+        if consumer is None:
+            return None
+        consumer.decode_seats += 1
+        if panic:
+            consumer.panics += 1
+        return Reservation(self, consumer, consumer, prefill_held=False, fallback=True, panic=panic)
+
+    def panic_candidates(self, phase: Phase, now: float) -> list[Engine]:
+        """Engines of `phase` that are out of placement but may still serve: not refusing
+        connections, not breaking the pinned contract."""
+        return [
+            e
+            for e in self.engines
+            if e.serves(phase)
+            and e.state(now) is not EngineState.ADMITTED
+            and not e.refusing
+            and not e.mismatched
+        ]
+
+    def _unservable(self, phase: Phase) -> NarwhalError:
+        members = [e for e in self.engines if e.serves(phase)]
+        refusing = sum(e.refusing for e in members)
+        mismatched = sum(e.mismatched for e in members)
+        why = [f"{refusing} refuse connections"] if refusing else []
+        why += [f"{mismatched} break the engine contract"] if mismatched else []
+        return NarwhalError(
+            503,
+            f"no engine can {phase.value}: none of the {len(members)} is admitted"
+            + (f" ({', '.join(why)})" if why else ""),
+            Cause.UNAVAILABLE,
+            retry_after=1,
+        )
 
     def _pick(self, candidates: list[Engine], avoid: frozenset[str]) -> Engine | None:
         preferred = [e for e in candidates if e.id not in avoid] or candidates

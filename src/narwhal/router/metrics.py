@@ -246,6 +246,16 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
     quarantines = CounterMetricFamily(
         "narwhal_engine_quarantines", "Quarantines after a failed leg.", labels=["engine"]
     )
+    spares = CounterMetricFamily(
+        "narwhal_engine_ejections_spared",
+        "Ejections withheld because they would leave too few engines of a phase.",
+        labels=["engine"],
+    )
+    panics = CounterMetricFamily(
+        "narwhal_engine_panic_placements",
+        "Requests placed on the engine while it was not admitted (panic placement).",
+        labels=["engine"],
+    )
     probes = CounterMetricFamily(
         "narwhal_engine_probes", "Readmission probes by result.", labels=["engine", "result"]
     )
@@ -271,6 +281,8 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         streak.add_metric([name], engine.streak)
         ejections.add_metric([name], engine.ejections)
         quarantines.add_metric([name], engine.quarantines)
+        spares.add_metric([name], engine.spares)
+        panics.add_metric([name], engine.panics)
         for result in (*PROBE_RESULTS, *(r for r in engine.probes if r not in PROBE_RESULTS)):
             probes.add_metric([name, result], engine.probes.get(result, 0))
         if engine.serves(Phase.PREFILL):
@@ -281,4 +293,5 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
             limits.add_metric([name, Phase.DECODE.value], engine.spec.max_decode_seats)
         for cause in (*ENGINE_CAUSES, *(c for c in engine.failures if c not in ENGINE_CAUSES)):
             failures.add_metric([name, cause], engine.failures.get(cause, 0))
-    yield from (info, state, streak, ejections, quarantines, probes, seats, limits, failures)
+    yield from (info, state, streak, ejections, quarantines, spares, panics, probes)
+    yield from (seats, limits, failures)

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from narwhal.config import Config
 from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads, new_request_id
+from narwhal.engines.connector import PrefillResult
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.router.assemble import Assembler
@@ -74,7 +75,9 @@ class Router:
             ca_bundle=timeouts.ca_bundle,
         )
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
-        self.breaker = Breaker(self.fleet, config.recovery.eject_after)
+        self.breaker = Breaker(
+            self.fleet, config.recovery.eject_after, config.recovery.max_ejected_fraction
+        )
         self.readmission = Readmission(config, self.fleet, self.client)
         self._readmitting: asyncio.Task[None] | None = None
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
@@ -236,52 +239,78 @@ class Router:
         loop = asyncio.get_running_loop()
         producer, consumer = reservation.producer, reservation.consumer
         call.attempts += 1
-        call.producer, call.consumer = producer.id, consumer.id
+        call.producer = None if reservation.fallback else producer.id
+        call.consumer = consumer.id
         backend_id = new_request_id()
         call.backend_request_ids.append(backend_id)
 
-        call.enter(Stage.PREFILL)
-        result = await self.client.prefill(
-            producer.url,
-            call.endpoint,
-            client_request.body,
-            same_worker=not reservation.crossed,
-            request_id=backend_id,
-            engine=producer.id,
-            kv_hosts=producer.spec.kv_hosts,
-        )
-        reservation.release_prefill()
-        self.breaker.success(producer.id)
-        call.ttft_s = time.perf_counter() - call.arrival
-        call.prompt_tokens = result.prompt_tokens
-        if not reservation.crossed:
-            call.handoff = "same_worker"
-        elif result.descriptor is None:
-            call.handoff = "recomputed"
+        call.panic = call.panic or reservation.panic
+        if reservation.fallback:
+            # Aggregate fallback: the consumer computes the prompt itself; no prefill leg.
+            result = PrefillResult(
+                consumer.url, call.endpoint, backend_id, None, loop.time(), same_worker=True
+            )
+            call.handoff = "fallback"
         else:
-            call.handoff = "crossed"
-            age, bound = result.age(loop.time()), self.config.handoff_bound_s
-            if age > bound:
-                raise engine_error(
-                    Cause.HANDOFF_EXPIRED,
-                    f"handoff expired: the descriptor from engine {producer.id} was "
-                    f"{age:.1f} s old, past the {bound:g} s bound (engine.kv_lease_s less "
-                    "a sixth); its decode was not sent",
-                    producer.id,
-                )
+            call.enter(Stage.PREFILL)
+            result = await self.client.prefill(
+                producer.url,
+                call.endpoint,
+                client_request.body,
+                same_worker=not reservation.crossed,
+                request_id=backend_id,
+                engine=producer.id,
+                kv_hosts=producer.spec.kv_hosts,
+            )
+            reservation.release_prefill()
+            call.ttft_s = time.perf_counter() - call.arrival
+            call.prompt_tokens = result.prompt_tokens
+            call.handoff = self._handoff_kind(reservation, result, loop.time())
 
         call.handoffs.append(call.handoff)
         call.enter(Stage.DECODE)
-        stream = await self.client.open_decode(
-            consumer.url,
-            call.endpoint,
-            client_request.body,
-            result,
-            engine=consumer.id,
-            drop_usage=not client_request.include_usage,
-        )
+        try:
+            stream = await self.client.open_decode(
+                consumer.url,
+                call.endpoint,
+                client_request.body,
+                result,
+                engine=consumer.id,
+                drop_usage=not client_request.include_usage,
+            )
+        except NarwhalError as error:
+            if error.engine != producer.id:
+                self._prefill_succeeded(reservation)
+            raise
+        self._prefill_succeeded(reservation)
         call.first_byte_s = time.perf_counter() - call.arrival
+        if reservation.fallback:
+            call.ttft_s = call.first_byte_s
         return stream
+
+    def _prefill_succeeded(self, reservation: Reservation) -> None:
+        """The producer's leg counts as a success once its descriptor passed validation
+        (a rejected descriptor is the producer's failure, not a success)."""
+        if not reservation.fallback:
+            self.breaker.success(reservation.producer.id)
+
+    def _handoff_kind(self, reservation: Reservation, result: PrefillResult, now: float) -> str:
+        """How the prefill hands over; raises when its descriptor is too old to decode."""
+        if not reservation.crossed:
+            return "same_worker"
+        if result.descriptor is None:
+            return "recomputed"
+        age, bound = result.age(now), self.config.handoff_bound_s
+        if age > bound:
+            producer = reservation.producer.id
+            raise engine_error(
+                Cause.HANDOFF_EXPIRED,
+                f"handoff expired: the descriptor from engine {producer} was "
+                f"{age:.1f} s old, past the {bound:g} s bound (engine.kv_lease_s less "
+                "a sixth); its decode was not sent",
+                producer,
+            )
+        return "crossed"
 
     def _blame(self, error: NarwhalError, reservation: Reservation) -> None:
         """Count an engine's own fault against it: failures, breaker, quarantine.

@@ -1,6 +1,8 @@
 """Readmission: an ejected engine returns only after it demonstrably works again.
 
-Every `recovery.readmit_interval_s`, each ejected engine is judged in order:
+Every `recovery.readmit_interval_s` (every `recovery.urgent_readmit_interval_s`, and at
+once on the ejection, while a phase has no admitted engine and an ejected engine serves
+it), each ejected engine is judged in order:
 1. `/health` answers 200 within `engine.health_timeout_s`;
 2. with `[engine_contract]`, its identity is re-read and must meet the contract (an engine
    restarted with the same contract may return; one that no longer matches stays out, and
@@ -26,6 +28,7 @@ they serve has no admitted engine left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -33,7 +36,12 @@ import aiohttp
 
 from narwhal.config import Config, RestartPolicy
 from narwhal.engines.client import EngineClient
-from narwhal.engines.identity import IdentityError, contract_mismatches, read_identity
+from narwhal.engines.identity import (
+    IdentityError,
+    contract_mismatches,
+    handoff_mismatches,
+    read_identity,
+)
 from narwhal.engines.probe import probe_transfer
 from narwhal.protocol.errors import NarwhalError
 from narwhal.router.fleet import Engine, EngineEvent, EngineState, Fleet, Phase
@@ -60,17 +68,37 @@ class Readmission:
         self.whole_wave = config.recovery.restart_policy is RestartPolicy.WHOLE_WAVE
         self.wave: set[str] = set()
         self.passed: set[str] = set()
+        # Set to judge at once rather than at the next tick.
+        self._wake = asyncio.Event()
         fleet.listeners.append(self._on_event)
 
     def _on_event(self, event: EngineEvent) -> None:
-        if event.kind == "ejected" and self.whole_wave:
+        if event.kind != "ejected":
+            return
+        if self.whole_wave:
             self.wave.add(event.engine)
+        if self.urgent():
+            self._wake.set()
 
     async def run(self) -> None:
         """The readmission timer; runs until cancelled."""
+        recovery = self.config.recovery
         while True:
-            await asyncio.sleep(self.config.recovery.readmit_interval_s)
+            urgent = self.urgent()
+            interval = recovery.urgent_readmit_interval_s if urgent else recovery.readmit_interval_s
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
+            self._wake.clear()
             await self.tick()
+
+    def urgent(self) -> bool:
+        """Whether a phase has no admitted engine while an ejected engine could serve it."""
+        ejected = [e for e in self.fleet.engines if e.ejected]
+        return any(
+            not self.fleet.admitted(phase) and any(e.serves(phase) for e in ejected)
+            for phase in Phase
+        )
 
     async def tick(self) -> None:
         """Judge every ejected engine that is not already held, concurrently."""
@@ -94,14 +122,19 @@ class Readmission:
             self._passed(engine)
         elif verdict.result == FAILURE and verdict.detail.startswith("contract"):
             engine.ejection_reason = verdict.detail
+            engine.mismatched = True
 
     async def judge(self, engine: Engine) -> Verdict:
         timeouts = self.config.engine
         try:
             async with asyncio.timeout(timeouts.health_timeout_s):
                 async with self.client.session.get(engine.url + "/health") as response:
+                    engine.refusing = False
                     if response.status != 200:
                         return Verdict(FAILURE, f"/health answered HTTP {response.status}")
+        except aiohttp.ClientConnectionError as exc:
+            engine.refusing = True
+            return Verdict(FAILURE, f"/health failed: {exc}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             return Verdict(FAILURE, f"/health failed: {exc or 'timed out'}")
         contract = self.config.engine_contract
@@ -130,7 +163,7 @@ class Readmission:
                 return Verdict(INCONCLUSIVE, f"partner {partner.id} has no free seat")
             _take_seat(partner, phase, +1)
         try:
-            await probe_transfer(
+            transfer = await probe_transfer(
                 self.client,
                 self.config.model,
                 producer.spec,
@@ -145,6 +178,10 @@ class Readmission:
             if seated:
                 _take_seat(partner, phase, -1)
                 self.fleet.seat_freed()
+        contract = self.config.engine_contract
+        mismatches = handoff_mismatches(contract, transfer.descriptor) if contract else []
+        if mismatches:
+            return Verdict(FAILURE, "contract mismatch: " + "; ".join(mismatches))
         return Verdict(SUCCESS, f"probe {producer.id} -> {consumer.id} succeeded")
 
     def _pairing(self, engine: Engine) -> tuple[Engine, Engine] | Verdict:
@@ -201,6 +238,9 @@ class Readmission:
         engine.ejected = False
         engine.held = False
         engine.streak = 0
+        engine.spared = False
+        engine.refusing = False
+        engine.mismatched = False
         engine.probe_producer = None
         self.fleet.emit(EngineEvent("readmitted", engine.id))
         self.fleet.seat_freed()

@@ -20,6 +20,11 @@ def snapshot(router: Router) -> dict[str, Any]:
         "queued": router.fleet.queued,
         "queue_capacity": router.fleet.queue_capacity,
         "open_engine_legs": router.client.open_legs,
+        # A phase with no admitted engine: requests go by aggregate fallback or panic.
+        "degraded": router.fleet.degraded(),
+        "engine_contract": (
+            router.config.engine_contract.pinned() if router.config.engine_contract else None
+        ),
         "retry_budget": {
             "credit": round(router.budget.credit, 3),
             "size": router.budget.initial,
@@ -37,6 +42,9 @@ def snapshot(router: Router) -> dict[str, Any]:
                 "streak": engine.streak,
                 "ejection_reason": engine.ejection_reason if engine.ejected else None,
                 "ejections": engine.ejections,
+                "spared": engine.spares,
+                "panic_placements": engine.panics,
+                "refusing": engine.refusing,
                 "probes": dict(engine.probes),
                 "seats": {
                     "prefill": {
