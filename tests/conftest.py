@@ -8,8 +8,13 @@ from typing import Any
 
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
 
 from support import StackFactory, stack_factory
+
+# A shared machine is slow at times: property tests judge results, never their speed.
+settings.register_profile("narwhal", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("narwhal")
 
 
 def pytest_asyncio_loop_factories(

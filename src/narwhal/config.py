@@ -76,6 +76,8 @@ class EngineConfig:
     prefill_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     health_timeout_s: float = 5.0
+    # How often each engine's own /metrics is read (its load, proof of KV use); 0: never.
+    metrics_interval_s: float = 5.0
     # vLLM 0.32's NixlConnector holds unpulled blocks for a 30 s lease
     # (`kv_connector_extra_config.kv_lease_duration`); older versions for 480 s.
     kv_lease_s: float = 30.0
@@ -623,6 +625,7 @@ def _engine(table: _Table) -> EngineConfig:
         prefill_timeout_s=table.number("prefill_timeout_s", d.prefill_timeout_s),
         connect_timeout_s=table.number("connect_timeout_s", d.connect_timeout_s),
         health_timeout_s=table.number("health_timeout_s", d.health_timeout_s),
+        metrics_interval_s=table.number("metrics_interval_s", d.metrics_interval_s, zero_ok=True),
         kv_lease_s=table.number("kv_lease_s", d.kv_lease_s),
         api_key_env=_env_name(table, "api_key_env"),
         ca_bundle=table.optional_string("ca_bundle"),

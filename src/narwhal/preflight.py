@@ -24,8 +24,13 @@ from narwhal.engines.identity import (
     read_identity,
 )
 from narwhal.engines.probe import probe_transfer
+from narwhal.engines.scrape import EXTERNAL, EngineReport, moved, read_report
 from narwhal.protocol.errors import NarwhalError
 from narwhal.secrets import Secrets, SecretsError, load_secrets
+
+# A consumer's pulled-token count is read up to this many times after a probe.
+PROOF_READS = 10
+PROOF_READ_GAP_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +99,16 @@ async def check_engine(config: Config, session: aiohttp.ClientSession, spec: Eng
 async def check_transfer(
     config: Config, client: EngineClient, producer: EngineSpec, consumer: EngineSpec
 ) -> Row:
+    """A probe handoff; a crossed one passes only if the consumer counted pulled tokens.
+
+    Text coming back proves little: a consumer that cannot pull may recompute the prompt.
+    Where the consumer counts prompt tokens by source (vLLM 0.32), its
+    `external_kv_transfer` count must move across the probe.
+    """
     subject = f"{producer.id} -> {consumer.id}"
+    crossed = producer.id != consumer.id
+    timeout = config.engine.health_timeout_s
+    before = await read_report(client.session, consumer.url, timeout) if crossed else None
     try:
         transfer = await probe_transfer(
             client, config.model, producer, consumer, config.engine.first_token_timeout_s
@@ -105,8 +119,39 @@ async def check_transfer(
     mismatches = handoff_mismatches(contract, transfer.descriptor) if contract else []
     if mismatches:
         return Row("transfer", subject, False, "; ".join(mismatches))
-    kind = "same-worker" if producer.id == consumer.id else "KV transfer"
-    return Row("transfer", subject, True, f"{kind} ok, decoded {transfer.text!r}")
+    decoded = f"decoded {transfer.text!r}"
+    if not crossed:
+        return Row("transfer", subject, True, f"same-worker ok, {decoded}")
+    if before is None or not before.counts_sources:
+        unproven = f"{consumer.id} publishes no vllm:prompt_tokens_by_source"
+        return Row("transfer", subject, True, f"KV transfer ok (not proven: {unproven}), {decoded}")
+    pulled = await _pulled(client.session, consumer, before, timeout)
+    if not pulled:
+        return Row(
+            "transfer",
+            subject,
+            False,
+            f"{consumer.id} decoded but pulled no KV: its vllm:prompt_tokens_by_source "
+            '{source="external_kv_transfer"} did not move (it computed the prompt itself)',
+        )
+    return Row(
+        "transfer", subject, True, f"KV transfer ok, {pulled:g} prompt tokens pulled, {decoded}"
+    )
+
+
+async def _pulled(
+    session: aiohttp.ClientSession, spec: EngineSpec, before: EngineReport, timeout_s: float
+) -> float:
+    """Prompt tokens the engine pulled since `before`; read again for a moment, as an
+    engine may count them a little after it answered."""
+    pulled = 0.0
+    for _ in range(PROOF_READS):
+        after = await read_report(session, spec.url, timeout_s)
+        pulled = moved(before, after, EXTERNAL) if after is not None else 0.0
+        if pulled:
+            break
+        await asyncio.sleep(PROOF_READ_GAP_S)
+    return pulled
 
 
 async def run_preflight(

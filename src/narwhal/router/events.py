@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 LOG_FORMATS = ("text", "json")
 MAX_MESSAGE_CHARS = 300
 # Engine events that take capacity away; the others are news of recovery.
-_WARNING_EVENTS = frozenset({"ejected", "quarantined"})
+_WARNING_EVENTS = frozenset({"ejected", "quarantined", "spared", "silent_recompute"})
 
 engine_log = logging.getLogger("narwhal.engine")
 request_log = logging.getLogger("narwhal.request")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from narwhal.config import EngineSpec
+from narwhal.engines.scrape import EngineReport
 from narwhal.protocol.errors import Cause, NarwhalError
 
 
@@ -56,6 +57,12 @@ class Engine:
     held: bool = False
     # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
     reported_waiting: float = 0.0
+    # The engine's last `/metrics` reading, and its prompt tokens by source since the first
+    # (see `engine_reports`); the crossed decodes the router sent it, to compare.
+    report: EngineReport | None = None
+    prompt_tokens: dict[str, float] = field(default_factory=dict)
+    crossed_decodes: int = 0
+    silent_recomputes: int = 0
     # Leg failures by cause (`Cause` values), since start.
     failures: dict[str, int] = field(default_factory=dict)
     # Breaker: consecutive stream failures, and why the engine was last ejected.
@@ -120,7 +127,8 @@ def _fraction(used: int, limit: int) -> float:
 class EngineEvent:
     """A change in an engine's standing, for the journal, metrics and logs."""
 
-    kind: str  # "quarantined", "ejected", "probe", "readmitted"
+    # "quarantined", "ejected", "spared", "probe", "readmitted", "silent_recompute"
+    kind: str
     engine: str
     detail: str = ""
     result: str | None = None  # probes: "success", "failure", "inconclusive"

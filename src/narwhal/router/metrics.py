@@ -251,6 +251,27 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         "Ejections withheld because they would leave too few engines of a phase.",
         labels=["engine"],
     )
+    crossed = CounterMetricFamily(
+        "narwhal_engine_crossed_decodes",
+        "Crossed handoffs the router sent the engine as their consumer.",
+        labels=["engine"],
+    )
+    prompt_tokens = CounterMetricFamily(
+        "narwhal_engine_prompt_tokens",
+        "Prompt tokens by source as the engine counts them (vllm:prompt_tokens_by_source), "
+        "since the router started.",
+        labels=["engine", "source"],
+    )
+    silent = CounterMetricFamily(
+        "narwhal_engine_silent_recomputes",
+        "Readings in which crossed decodes moved no KV while the engine computed prompts.",
+        labels=["engine"],
+    )
+    reported = GaugeMetricFamily(
+        "narwhal_engine_reported_requests",
+        "Requests the engine reports running or waiting, at its last /metrics reading.",
+        labels=["engine", "state"],
+    )
     panics = CounterMetricFamily(
         "narwhal_engine_panic_placements",
         "Requests placed on the engine while it was not admitted (panic placement).",
@@ -283,6 +304,17 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         quarantines.add_metric([name], engine.quarantines)
         spares.add_metric([name], engine.spares)
         panics.add_metric([name], engine.panics)
+        crossed.add_metric([name], engine.crossed_decodes)
+        for source, count in engine.prompt_tokens.items():
+            prompt_tokens.add_metric([name, source], count)
+        silent.add_metric([name], engine.silent_recomputes)
+        if engine.report is not None:
+            for key, value in (
+                ("running", engine.report.running),
+                ("waiting", engine.report.waiting),
+            ):
+                if value is not None:
+                    reported.add_metric([name, key], value)
         for result in (*PROBE_RESULTS, *(r for r in engine.probes if r not in PROBE_RESULTS)):
             probes.add_metric([name, result], engine.probes.get(result, 0))
         if engine.serves(Phase.PREFILL):
@@ -294,4 +326,4 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         for cause in (*ENGINE_CAUSES, *(c for c in engine.failures if c not in ENGINE_CAUSES)):
             failures.add_metric([name, cause], engine.failures.get(cause, 0))
     yield from (info, state, streak, ejections, quarantines, spares, panics, probes)
-    yield from (seats, limits, failures)
+    yield from (seats, limits, failures, crossed, prompt_tokens, silent, reported)

@@ -26,6 +26,7 @@ from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
+from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Reservation
 from narwhal.router.journal import Journal
@@ -80,6 +81,7 @@ class Router:
         )
         self.readmission = Readmission(config, self.fleet, self.client)
         self._readmitting: asyncio.Task[None] | None = None
+        self._reading: asyncio.Task[None] | None = None
         self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
         self.in_flight = 0
         self.draining = False
@@ -96,12 +98,19 @@ class Router:
         self.journal.start()
         self.metrics.start()
         self._readmitting = asyncio.create_task(self.readmission.run(), name="readmission")
+        interval = self.config.engine.metrics_interval_s
+        if interval > 0:
+            reports = EngineReports(
+                self.fleet, self.client.session, interval, self.config.engine.health_timeout_s
+            )
+            self._reading = asyncio.create_task(reports.run(), name="engine-reports")
 
     async def stop(self) -> None:
-        if self._readmitting is not None:
-            self._readmitting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._readmitting
+        for task in (self._readmitting, self._reading):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.metrics.stop()
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
@@ -283,6 +292,8 @@ class Router:
                 self._prefill_succeeded(reservation)
             raise
         self._prefill_succeeded(reservation)
+        if call.handoff == "crossed":
+            consumer.crossed_decodes += 1
         call.first_byte_s = time.perf_counter() - call.arrival
         if reservation.fallback:
             call.ttft_s = call.first_byte_s

@@ -6,6 +6,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE
+from narwhal.router.fleet import Engine
+
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
 
@@ -57,7 +60,35 @@ def snapshot(router: Router) -> dict[str, Any]:
                     },
                 },
                 "failures": dict(engine.failures),
+                "reported": _reported(engine),
+                "kv": _kv_use(engine),
             }
             for engine in router.fleet.engines
         ],
+    }
+
+
+def _reported(engine: Engine) -> dict[str, Any] | None:
+    """The engine's own load at its last `/metrics` reading (None before the first)."""
+    report = engine.report
+    if report is None:
+        return None
+    return {
+        "running": report.running,
+        "waiting": report.waiting,
+        "kv_cache_usage": report.kv_cache_usage,
+    }
+
+
+def _kv_use(engine: Engine) -> dict[str, Any]:
+    """Crossed decodes the router sent the engine beside the prompt tokens the engine says
+    it pulled (`external_kv_transfer`) or computed (`local_compute`) since the router
+    started; `transfer_share` is None until the engine has counted either."""
+    tokens = engine.prompt_tokens
+    pulled, computed = tokens.get(EXTERNAL, 0.0), tokens.get(LOCAL_COMPUTE, 0.0)
+    return {
+        "crossed_decodes": engine.crossed_decodes,
+        "prompt_tokens": dict(tokens),
+        "transfer_share": round(pulled / (pulled + computed), 4) if pulled + computed else None,
+        "silent_recomputes": engine.silent_recomputes,
     }

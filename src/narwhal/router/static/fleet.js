@@ -86,6 +86,19 @@ function seatRow(phase, seats) {
   );
 }
 
+// The consumer's own count of prompt tokens pulled over KV transfer vs computed, beside the
+// crossed decodes the router sent it; a silent recompute is flagged.
+function kvFact(kv) {
+  if (!kv || (!kv.crossed_decodes && kv.transfer_share == null)) return null;
+  const share = kv.transfer_share == null ? "not reported" : `${Math.round(100 * kv.transfer_share)}% pulled`;
+  const silent = kv.silent_recomputes ? ` · ${kv.silent_recomputes} silent recompute` : "";
+  return el(
+    "span",
+    { "data-field": "kv", class: kv.silent_recomputes ? "recent-failure" : "" },
+    `KV ${share} · ${kv.crossed_decodes} crossed decodes${silent}`,
+  );
+}
+
 function engineCard(engine, before) {
   const failures = Object.entries(engine.failures).filter(([, n]) => n > 0);
   const earlier = (before && before.failures[engine.id]) || {};
@@ -114,6 +127,11 @@ function engineCard(engine, before) {
       { class: "facts" },
       el("span", { "data-field": "streak" }, `streak ${engine.streak ?? 0}`),
       el("span", {}, `ejections ${engine.ejections ?? 0}`),
+      engine.spared ? el("span", { "data-field": "spared" }, `spared ${engine.spared}`) : null,
+      engine.panic_placements
+        ? el("span", { "data-field": "panic" }, `panic placements ${engine.panic_placements}`)
+        : null,
+      kvFact(engine.kv),
       Object.keys(probes).length
         ? el("span", {}, `probes ${Object.entries(probes).map(([k, n]) => `${k} ${n}`).join(", ")}`)
         : null,
