@@ -48,8 +48,9 @@ from narwhal.protocol.sse import (
 
 MAX_PREFILL_ANSWER_BYTES = 8 << 20
 MAX_ERROR_BODY_BYTES = 64 << 10
-# Pre-output metadata events kept for the client; more than this carry nothing new.
-MAX_HELD_EVENTS = 64
+# Events before the first token are held for the client, none dropped; an engine that
+# sends more than this before any token is broken (vLLM sends one role chunk at most).
+MAX_HELD_BYTES = 1 << 20
 
 
 class DescriptorRejected(NarwhalError):
@@ -231,6 +232,7 @@ class EngineClient:
         connection: Connection | None = None
         decoder = SseDecoder()
         held: list[SseEvent] = []
+        held_bytes = 0
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
                 connection = await self._post(consumer_url, endpoint, data, result.request_id)
@@ -263,8 +265,18 @@ class EngineClient:
                                     on_close=self._leg_closed,
                                     gaps=self.gaps,
                                 )
-                            if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
+                            # The usage chunk the router asked for on its own is not
+                            # the client's to see; everything else is.
+                            if kind is not EventKind.USAGE or not drop_usage:
                                 held.append(event)
+                                held_bytes += len(event.raw)
+                                if held_bytes > MAX_HELD_BYTES:
+                                    raise engine_error(
+                                        Cause.BAD_RESPONSE,
+                                        f"engine {name} sent more than {MAX_HELD_BYTES} bytes "
+                                        "of events before its first token",
+                                        name,
+                                    )
                             events = decoder.feed(b"", limit=1)
                     except SseError as exc:
                         raise _bad_stream(exc, name) from None
