@@ -43,6 +43,7 @@ from narwhal.protocol.sse import (
     block_payloads,
     classify,
     classify_after_first_output,
+    error_detail,
     error_status,
 )
 
@@ -586,7 +587,11 @@ def _bad_stream(exc: SseError, engine: str) -> NarwhalError:
 def _error_object(payload: dict[str, Any], engine: str) -> NarwhalError:
     status, message = error_status(payload)
     return engine_error(
-        Cause.ERROR_OBJECT, f"engine {engine} reported an error: {message}", engine, status=status
+        Cause.ERROR_OBJECT,
+        f"engine {engine} reported an error: {message}",
+        engine,
+        status=status,
+        detail=error_detail(payload),
     )
 
 
@@ -606,9 +611,14 @@ def _close(connection: Connection | None) -> None:
 
 async def _status_error(connection: Connection, engine: str, leg: str) -> NarwhalError:
     """A non-200 answer: the engine's own message, with the status's meaning decided once."""
+    detail: dict[str, Any] | None = None
     try:
         payload = orjson.loads(await connection.read_all(MAX_ERROR_BODY_BYTES))
-        _, message = error_status(payload) if isinstance(payload, dict) else (0, "")
+        if isinstance(payload, dict):
+            _, message = error_status(payload)
+            detail = error_detail(payload)
+        else:
+            message = ""
     except (HttpError, orjson.JSONDecodeError):
         message = ""
     status = connection.status
@@ -618,7 +628,7 @@ async def _status_error(connection: Connection, engine: str, leg: str) -> Narwha
         text = message
     else:
         text = f"{leg} on engine {engine} failed with HTTP {status}: {message}"
-    return engine_error(Cause.HTTP_STATUS, text, engine, status=status)
+    return engine_error(Cause.HTTP_STATUS, text, engine, status=status, detail=detail)
 
 
 def _transport_error(exc: HttpError, engine: str, leg: str) -> NarwhalError:

@@ -321,6 +321,17 @@ def error_status(payload: dict[str, Any]) -> tuple[int, str]:
     return status, message
 
 
+def error_detail(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The error object itself, in the newer shape's members (`message`, `type`, `param`,
+    `code`, and any others the engine added); None when there is no message to show."""
+    inner = payload.get("error")
+    if isinstance(inner, dict):
+        detail = inner
+    else:
+        detail = {key: value for key, value in payload.items() if key != "object"}
+    return detail if isinstance(detail.get("message"), str) else None
+
+
 def block_payloads(block: bytes) -> list[dict[str, Any]]:
     """The payloads of a block of whole events, each a JSON object; `[DONE]` is skipped.
 
