@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -204,14 +204,30 @@ async def test_seed_and_temperature_determine_the_text(sim: Sim) -> None:
     assert await text(seed=1, temperature=0) == await text(seed=2, temperature=0)
 
 
-async def test_too_long_a_request_is_a_400_in_vllm_shape(sim: Sim) -> None:
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": "word " * 65, "max_tokens": 4}, "input_tokens"),
+        ({"max_tokens": 65}, "max_tokens"),
+    ],
+)
+async def test_a_prompt_or_cap_beyond_the_context_is_a_400_naming_it(
+    sim: Sim, fields: dict[str, Any], param: str
+) -> None:
     engine = await sim.start(max_model_len=64)
-    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60})
+    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, **fields})
     assert status == 400
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "BadRequestError"
-    assert body["error"]["code"] == 400
-    assert "maximum context length is 64 tokens" in body["error"]["message"]
+    assert (body["error"]["code"], body["error"]["param"]) == (400, param)
+    assert f"(parameter={param}, value=" in body["error"]["message"]
+
+
+async def test_a_cap_past_the_context_left_shrinks_to_fit_as_in_vllm(sim: Sim) -> None:
+    engine = await sim.start(max_model_len=64)
+    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 64
 
 
 @pytest.mark.parametrize(
