@@ -377,6 +377,8 @@ class DecodeStream:
     ) -> None:
         self.engine = engine
         self.usage: dict[str, Any] | None = None
+        # The usage chunk when it was not forwarded: it also carries the fingerprint.
+        self.usage_chunk: dict[str, Any] | None = None
         self.done = False
         self._connection = connection
         self._decoder = decoder
@@ -500,6 +502,8 @@ class DecodeStream:
                 self.usage = _usage_of(decision.payload)
                 if not self._drop_usage:
                     forward.append(event)
+                else:
+                    self.usage_chunk = decision.payload
             else:
                 forward.append(event)
         return forward
@@ -524,13 +528,17 @@ async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]
 
 
 async def collect_payloads(stream: DecodeStream) -> list[dict[str, Any]]:
-    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input)."""
+    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input),
+    the usage chunk included."""
     blocks = [data async for data in stream]
     try:
-        return block_payloads(b"".join(blocks))
+        payloads = block_payloads(b"".join(blocks))
     except SseError as exc:
         # Relayed events only had their framing checked; here each must parse.
         raise _bad_stream(exc, stream.engine) from None
+    if stream.usage_chunk is not None:
+        payloads.append(stream.usage_chunk)
+    return payloads
 
 
 class _Watchdog:
