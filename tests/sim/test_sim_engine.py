@@ -291,6 +291,13 @@ async def test_bad_fields_are_a_400(sim: Sim, fields: dict[str, object]) -> None
     assert body["error"]["code"] == 400
 
 
+async def test_empty_stream_options_without_streaming_are_accepted_as_in_vllm(sim: Sim) -> None:
+    engine = await sim.start()
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream_options": {}}
+    status, _ = await sim.post(engine, "/v1/completions", body)
+    assert status == 200
+
+
 async def test_chat_prefers_max_completion_tokens(sim: Sim) -> None:
     engine = await sim.start()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}

@@ -234,7 +234,10 @@ def _stop(body: dict[str, object]) -> tuple[str, ...]:
 
 def _include_usage(body: dict[str, object], stream: bool) -> bool:
     options = body.get("stream_options")
-    if options is None:
+    if not options:
+        # vLLM 0.32 refuses only stream options that are set (an empty object is not).
+        if options is not None and not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
         return False
     if not stream:
         raise ApiError(
