@@ -69,8 +69,15 @@ class Stack:
         return lines
 
     async def post(self, route: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """POST and return (status, parsed JSON or raw SSE text)."""
-        async with self.http.post(self.url + route, json=body) as response:
+        """POST to the router and return (status, parsed JSON or raw SSE text)."""
+        return await self._post(self.url + route, body)
+
+    async def post_to_engine(self, name: str, route: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST to one engine directly, without the router: what vLLM alone answers."""
+        return await self._post(self.engine(name).url + route, body)
+
+    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with self.http.post(url, json=body) as response:
             raw = await response.read()
             if response.content_type == "application/json":
                 return response.status, orjson.loads(raw)

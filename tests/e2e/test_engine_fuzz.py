@@ -152,7 +152,8 @@ def chunk(text: object, route: str = COMPLETIONS, finish: object = None) -> dict
 
 
 TOKENS = ("The", " sea", " is", " deep")
-METADATA = {"id": "cmpl-fake", "object": "text_completion", "choices": [{"index": 0, "text": ""}]}
+# An event that reports no generated token (any choice would: see `reports_tokens`).
+METADATA = {"id": "cmpl-fake", "object": "text_completion", "choices": []}
 USAGE = {"id": "cmpl-fake", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}
 DONE = event(b"[DONE]")
 
@@ -324,6 +325,14 @@ VALID_STREAMS = {
     "an empty answer": Script(
         (event(METADATA), event(chunk("", finish="stop")), event(USAGE), DONE)
     ),
+    "a hundred empty tokens first": before_first_token(*[event(chunk(""))] * 100),
+    "a chat stream opening with its role": Script(
+        (
+            event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+            *[event(chunk("", CHAT))] * 3,
+            *stream(route=CHAT).pieces,
+        )
+    ),
 }
 
 
@@ -332,7 +341,7 @@ async def test_a_valid_stream_is_relayed_and_assembled_whatever_its_line_ends(
     tmp_path: Path, name: str
 ) -> None:
     script = VALID_STREAMS[name]
-    route = CHAT if name == "chat" else COMPLETIONS
+    route = CHAT if "chat" in name else COMPLETIONS
     async with fake_stack(tmp_path, GOOD_PREFILL, script) as stack:
         streamed = await ask(stack, route, stream=True)
         assert terminal_code(streamed) is None
@@ -343,6 +352,21 @@ async def test_a_valid_stream_is_relayed_and_assembled_whatever_its_line_ends(
         whole = await ask(stack, route, stream=False)
         assert whole.status == 200
         assert text_of(whole, route) == "".join(output_of(orjson.loads(e), route) for e in sent)
+        await nothing_left(stack)
+
+
+async def test_a_token_with_empty_text_meets_the_first_token_deadline(tmp_path: Path) -> None:
+    # Text comes only after the first-token timeout (0.4 s); tokens without text before it.
+    empty = [event(chunk(""))] * 8
+    script = Script((*empty, *stream().pieces), pause_s=0.08)
+    async with fake_stack(tmp_path, GOOD_PREFILL, script, deadline_s=10.0) as stack:
+        streamed = await ask(stack, COMPLETIONS, stream=True)
+        assert terminal_code(streamed) is None
+        assert events_of(streamed.body)[:9] == [orjson.dumps(chunk(""))] * 8 + [
+            orjson.dumps(chunk(TOKENS[0]))
+        ]
+        whole = await ask(stack, COMPLETIONS, stream=False)
+        assert whole.status == 200 and text_of(whole, COMPLETIONS) == "".join(TOKENS)
         await nothing_left(stack)
 
 

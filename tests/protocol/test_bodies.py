@@ -71,6 +71,24 @@ def test_bad_completion_bodies_are_400_naming_the_field(body: Any, fragment: str
     assert error.status == 400 and fragment in error.message
 
 
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_streaming_is_400_naming_the_field(stream: bool | None) -> None:
+    body: dict[str, Any] = {"prompt": "x", "stream_options": {"include_usage": True}}
+    if stream is not None:
+        body["stream"] = stream
+    error = rejected(body)
+    assert (error.status, error.param) == (400, "stream_options")
+    assert "`stream_options`" in error.message and "`stream`" in error.message
+    assert error.body()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("options", [None, {}])
+def test_empty_stream_options_without_streaming_are_accepted_as_vllm_does(
+    options: dict[str, Any] | None,
+) -> None:
+    assert not parse({"prompt": "x", "stream": False, "stream_options": options}).include_usage
+
+
 @pytest.mark.parametrize("messages", [None, [], "hi", [{"content": "x"}], [1]])
 def test_chat_needs_message_objects_with_roles(messages: Any) -> None:
     error = rejected({"messages": messages}, Endpoint.CHAT)

@@ -17,7 +17,7 @@ from narwhal.protocol.sse import (
     classify,
     classify_after_first_output,
     error_status,
-    has_output,
+    reports_tokens,
 )
 
 PAYLOADS = [b'{"choices":[{"text":" a"}]}', b'{"choices":[{"text":" b"}]}', b"[DONE]"]
@@ -102,13 +102,12 @@ def test_done_is_its_own_kind() -> None:
     ("payload", "kind"),
     [
         ({"choices": [{"index": 0, "text": " hi", "finish_reason": None}]}, EventKind.OUTPUT),
-        ({"choices": [{"index": 0, "text": "", "finish_reason": None}]}, EventKind.METADATA),
         ({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, EventKind.OUTPUT),
         ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, EventKind.METADATA),
         ({"choices": [{"delta": {"content": "x"}}]}, EventKind.OUTPUT),
+        ({"choices": [{"delta": {"reasoning": "think"}}]}, EventKind.OUTPUT),
         ({"choices": [{"delta": {"reasoning_content": "think"}}]}, EventKind.OUTPUT),
         ({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}, EventKind.OUTPUT),
-        ({"choices": [{"delta": {}}]}, EventKind.METADATA),
         ({"choices": [], "usage": {"completion_tokens": 3}}, EventKind.USAGE),
         ({"choices": []}, EventKind.METADATA),
         ({"error": {"message": "boom", "code": 500}}, EventKind.ERROR),
@@ -117,6 +116,36 @@ def test_done_is_its_own_kind() -> None:
 )
 def test_classification_of_contract_chunks(payload: dict[str, object], kind: EventKind) -> None:
     assert classify(orjson.dumps(payload)).kind is kind
+
+
+# Chunks as vLLM 0.32 streams them for tokens whose text is empty.
+EMPTY_TOKENS = [
+    # A skipped special token or part of a multi-byte character, completions and chat.
+    {"choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None}]},
+    # A parser holding text back while the token's logprobs or ids go out.
+    {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": []}}]},
+    {"choices": [{"index": 0, "delta": {}, "token_ids": [7]}]},
+    # An unknown field of a future version.
+    {"choices": [{"index": 0, "delta": {"future": None}}]},
+    # The role announcement and a token in one delta.
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "x"}}]},
+    {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": "length"}]},
+]
+
+
+@pytest.mark.parametrize("payload", EMPTY_TOKENS)
+def test_every_choice_but_the_role_announcement_reports_generated_tokens(
+    payload: dict[str, object],
+) -> None:
+    assert reports_tokens(payload["choices"][0])  # type: ignore[index]
+    assert classify(orjson.dumps(payload)).kind is EventKind.OUTPUT
+
+
+def test_the_role_announcement_reports_no_token_whatever_else_it_carries_empty() -> None:
+    for delta in ({"role": "assistant", "content": ""}, {"role": "assistant"}):
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        assert not reports_tokens(choice)
 
 
 @pytest.mark.parametrize("data", [b"not json", b"[1,2]", b'{"id": "x"}', b'{"choices": 3}'])
@@ -149,9 +178,9 @@ def test_error_status_reads_both_shapes() -> None:
     assert error_status({"error": "plain"}) == (500, "plain")
 
 
-def test_has_output_ignores_non_objects() -> None:
-    assert not has_output("text")
-    assert not has_output({"delta": "x"})
+def test_a_choice_that_is_not_an_object_reports_no_token() -> None:
+    assert not reports_tokens("text")
+    assert not reports_tokens(None)
 
 
 def test_plain_blocks_are_forwarded_whole_and_partial_events_kept() -> None:

@@ -26,10 +26,12 @@ FAST = SimOptions(
 
 @dataclass
 class Stream:
-    """A read SSE response: its JSON events, whether [DONE] came, whether the body broke."""
+    """A read SSE response: its JSON events, its comments (keep-alives), whether [DONE]
+    came, whether the body broke."""
 
     status: int
     events: list[dict[str, Any]] = field(default_factory=list)
+    comments: list[bytes] = field(default_factory=list)
     done: bool = False
     after_done: bytes = b""
     broken: bool = False
@@ -100,6 +102,8 @@ class Sim:
                 stream.after_done += chunk
             elif chunk == b"data: [DONE]":
                 stream.done = True
+            elif chunk.startswith(b":"):
+                stream.comments.append(chunk)
             elif chunk:
                 assert chunk.startswith(b"data: "), chunk
                 stream.events.append(orjson.loads(chunk.removeprefix(b"data: ")))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -17,9 +17,19 @@ if TYPE_CHECKING:
 
 PROMPT = "Tell me about the narwhals of the northern fjords, and why they sing at night."
 
+# Chunk members as vLLM 0.32 serializes them (`model_dump_json(exclude_unset=True)`).
 COMPLETION_CHUNK_KEYS = {"id", "object", "created", "model", "choices"}
-COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason"}
-CHAT_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
+COMPLETION_CHOICE_KEYS = [
+    "index",
+    "text",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+    "prompt_token_ids",
+    "token_ids",
+]
+CHAT_CHOICE_KEYS = ["index", "delta", "logprobs", "finish_reason", "token_ids"]
+CHAT_LAST_CHOICE_KEYS = ["index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"]
 
 
 def _client(engine: SimEngine) -> AsyncOpenAI:
@@ -129,12 +139,24 @@ async def test_completion_chunks_have_exactly_the_contract_keys(sim: Sim) -> Non
     for chunk in chunks:
         assert set(chunk) == COMPLETION_CHUNK_KEYS
         assert chunk["object"] == "text_completion"
-        assert [set(choice) for choice in chunk["choices"]] == [COMPLETION_CHOICE_KEYS]
+        assert [list(choice) for choice in chunk["choices"]] == [COMPLETION_CHOICE_KEYS]
         assert chunk["choices"][0]["logprobs"] is None
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * 3 + ["length"]
-    assert set(usage) == COMPLETION_CHUNK_KEYS | {"usage"}
+    assert set(usage) == COMPLETION_CHUNK_KEYS | {"usage", "system_fingerprint"}
     assert usage["choices"] == []
-    assert usage["usage"]["completion_tokens"] == 4
+    assert usage["usage"] == {"prompt_tokens": 17, "total_tokens": 21, "completion_tokens": 4}
+    assert usage["system_fingerprint"] == engine.fingerprint
+
+
+async def test_without_usage_the_finishing_chunk_carries_the_fingerprint(sim: Sim) -> None:
+    engine = await sim.start()
+    stream = await sim.stream(engine, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+    assert [event.get("system_fingerprint") for event in stream.events] == [
+        None,
+        None,
+        engine.fingerprint,
+    ]
+    assert engine.fingerprint.startswith("vllm-0.11.0-")
 
 
 async def test_chat_chunks_start_with_the_role_delta(sim: Sim) -> None:
@@ -142,12 +164,23 @@ async def test_chat_chunks_start_with_the_role_delta(sim: Sim) -> None:
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
     stream = await sim.stream(engine, "/v1/chat/completions", body)
     assert stream.done
-    assert stream.events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    for chunk in stream.events:
-        assert set(chunk) == COMPLETION_CHUNK_KEYS
+    role, *tokens = stream.events
+    assert role["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
+    assert set(role) == COMPLETION_CHUNK_KEYS | {"prompt_token_ids", "prompt_text"}
+    for chunk in tokens:
         assert chunk["object"] == "chat.completion.chunk"
-        assert [set(choice) for choice in chunk["choices"]] == [CHAT_CHOICE_KEYS]
-    assert [set(chunk["choices"][0]["delta"]) for chunk in stream.events[1:]] == [{"content"}] * 3
+    assert [set(chunk) for chunk in tokens[:-1]] == [COMPLETION_CHUNK_KEYS] * 2
+    assert set(tokens[-1]) == COMPLETION_CHUNK_KEYS | {"system_fingerprint"}
+    choices = [chunk["choices"][0] for chunk in tokens]
+    assert [list(choice) for choice in choices] == [CHAT_CHOICE_KEYS] * 2 + [CHAT_LAST_CHOICE_KEYS]
+    assert [list(choice["delta"]) for choice in choices] == [["content"]] * 3
 
 
 async def test_stream_without_include_usage_has_no_usage_chunk(sim: Sim) -> None:
@@ -185,9 +218,13 @@ async def test_stop_string_truncates_the_text_and_finishes_with_stop(sim: Sim) -
     expected = free["choices"][0]["text"][: free["choices"][0]["text"].index(stop)]
     assert stopped["choices"][0]["text"] == expected
     assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["stop_reason"] == stop
     assert stopped["usage"]["completion_tokens"] == 6
     assert stream.text == expected
     assert stream.events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert stream.events[-1]["choices"][0]["stop_reason"] == stop
+    # One event per generated token, text held back for the stop string or not.
+    assert len(stream.events) == 6
 
 
 async def test_seed_and_temperature_determine_the_text(sim: Sim) -> None:
@@ -204,14 +241,30 @@ async def test_seed_and_temperature_determine_the_text(sim: Sim) -> None:
     assert await text(seed=1, temperature=0) == await text(seed=2, temperature=0)
 
 
-async def test_too_long_a_request_is_a_400_in_vllm_shape(sim: Sim) -> None:
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": "word " * 65, "max_tokens": 4}, "input_tokens"),
+        ({"max_tokens": 65}, "max_tokens"),
+    ],
+)
+async def test_a_prompt_or_cap_beyond_the_context_is_a_400_naming_it(
+    sim: Sim, fields: dict[str, Any], param: str
+) -> None:
     engine = await sim.start(max_model_len=64)
-    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60})
+    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, **fields})
     assert status == 400
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "BadRequestError"
-    assert body["error"]["code"] == 400
-    assert "maximum context length is 64 tokens" in body["error"]["message"]
+    assert (body["error"]["code"], body["error"]["param"]) == (400, param)
+    assert f"(parameter={param}, value=" in body["error"]["message"]
+
+
+async def test_a_cap_past_the_context_left_shrinks_to_fit_as_in_vllm(sim: Sim) -> None:
+    engine = await sim.start(max_model_len=64)
+    status, body = await sim.post(engine, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 64
 
 
 @pytest.mark.parametrize(
@@ -236,6 +289,13 @@ async def test_bad_fields_are_a_400(sim: Sim, fields: dict[str, object]) -> None
     )
     assert status == 400
     assert body["error"]["code"] == 400
+
+
+async def test_empty_stream_options_without_streaming_are_accepted_as_in_vllm(sim: Sim) -> None:
+    engine = await sim.start()
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream_options": {}}
+    status, _ = await sim.post(engine, "/v1/completions", body)
+    assert status == 200
 
 
 async def test_chat_prefers_max_completion_tokens(sim: Sim) -> None:

@@ -43,13 +43,15 @@ from narwhal.protocol.sse import (
     block_payloads,
     classify,
     classify_after_first_output,
+    error_detail,
     error_status,
 )
 
 MAX_PREFILL_ANSWER_BYTES = 8 << 20
 MAX_ERROR_BODY_BYTES = 64 << 10
-# Pre-output metadata events kept for the client; more than this carry nothing new.
-MAX_HELD_EVENTS = 64
+# Events before the first token are held for the client, none dropped; an engine that
+# sends more than this before any token is broken (vLLM sends one role chunk at most).
+MAX_HELD_BYTES = 1 << 20
 
 
 class DescriptorRejected(NarwhalError):
@@ -231,6 +233,7 @@ class EngineClient:
         connection: Connection | None = None
         decoder = SseDecoder()
         held: list[SseEvent] = []
+        held_bytes = 0
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
                 connection = await self._post(consumer_url, endpoint, data, result.request_id)
@@ -263,8 +266,18 @@ class EngineClient:
                                     on_close=self._leg_closed,
                                     gaps=self.gaps,
                                 )
-                            if kind is not EventKind.USAGE and len(held) < MAX_HELD_EVENTS:
+                            # The usage chunk the router asked for on its own is not
+                            # the client's to see; everything else is.
+                            if kind is not EventKind.USAGE or not drop_usage:
                                 held.append(event)
+                                held_bytes += len(event.raw)
+                                if held_bytes > MAX_HELD_BYTES:
+                                    raise engine_error(
+                                        Cause.BAD_RESPONSE,
+                                        f"engine {name} sent more than {MAX_HELD_BYTES} bytes "
+                                        "of events before its first token",
+                                        name,
+                                    )
                             events = decoder.feed(b"", limit=1)
                     except SseError as exc:
                         raise _bad_stream(exc, name) from None
@@ -364,6 +377,8 @@ class DecodeStream:
     ) -> None:
         self.engine = engine
         self.usage: dict[str, Any] | None = None
+        # The usage chunk when it was not forwarded: it also carries the fingerprint.
+        self.usage_chunk: dict[str, Any] | None = None
         self.done = False
         self._connection = connection
         self._decoder = decoder
@@ -487,6 +502,8 @@ class DecodeStream:
                 self.usage = _usage_of(decision.payload)
                 if not self._drop_usage:
                     forward.append(event)
+                else:
+                    self.usage_chunk = decision.payload
             else:
                 forward.append(event)
         return forward
@@ -511,13 +528,17 @@ async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]
 
 
 async def collect_payloads(stream: DecodeStream) -> list[dict[str, Any]]:
-    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input)."""
+    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input),
+    the usage chunk included."""
     blocks = [data async for data in stream]
     try:
-        return block_payloads(b"".join(blocks))
+        payloads = block_payloads(b"".join(blocks))
     except SseError as exc:
         # Relayed events only had their framing checked; here each must parse.
         raise _bad_stream(exc, stream.engine) from None
+    if stream.usage_chunk is not None:
+        payloads.append(stream.usage_chunk)
+    return payloads
 
 
 class _Watchdog:
@@ -574,7 +595,11 @@ def _bad_stream(exc: SseError, engine: str) -> NarwhalError:
 def _error_object(payload: dict[str, Any], engine: str) -> NarwhalError:
     status, message = error_status(payload)
     return engine_error(
-        Cause.ERROR_OBJECT, f"engine {engine} reported an error: {message}", engine, status=status
+        Cause.ERROR_OBJECT,
+        f"engine {engine} reported an error: {message}",
+        engine,
+        status=status,
+        detail=error_detail(payload),
     )
 
 
@@ -594,9 +619,14 @@ def _close(connection: Connection | None) -> None:
 
 async def _status_error(connection: Connection, engine: str, leg: str) -> NarwhalError:
     """A non-200 answer: the engine's own message, with the status's meaning decided once."""
+    detail: dict[str, Any] | None = None
     try:
         payload = orjson.loads(await connection.read_all(MAX_ERROR_BODY_BYTES))
-        _, message = error_status(payload) if isinstance(payload, dict) else (0, "")
+        if isinstance(payload, dict):
+            _, message = error_status(payload)
+            detail = error_detail(payload)
+        else:
+            message = ""
     except (HttpError, orjson.JSONDecodeError):
         message = ""
     status = connection.status
@@ -606,7 +636,7 @@ async def _status_error(connection: Connection, engine: str, leg: str) -> Narwha
         text = message
     else:
         text = f"{leg} on engine {engine} failed with HTTP {status}: {message}"
-    return engine_error(Cause.HTTP_STATUS, text, engine, status=status)
+    return engine_error(Cause.HTTP_STATUS, text, engine, status=status, detail=detail)
 
 
 def _transport_error(exc: HttpError, engine: str, leg: str) -> NarwhalError:

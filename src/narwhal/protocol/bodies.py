@@ -119,7 +119,14 @@ def parse_client_request(endpoint: Endpoint, raw: bytes, model: str) -> ClientRe
         raise client_error(400, "`stream` must be a boolean")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise client_error(400, "`stream_options` must be an object")
+        raise client_error(400, "`stream_options` must be an object", "stream_options")
+    if options and not stream:
+        # vLLM refuses it too: the answer would differ with and without the router.
+        raise client_error(
+            400,
+            "`stream_options` can only be set when `stream` is true",
+            "stream_options",
+        )
     for field in ("max_tokens", "max_completion_tokens"):
         value = body.get(field)
         if value is not None and (not _is_int(value) or value < 1):

@@ -5,6 +5,7 @@ Whoever catches a `NarwhalError` reads these fields; nobody re-guesses them from
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -71,7 +72,11 @@ class NarwhalError(Exception):
         transient: bool = False,
         engine: str | None = None,
         retry_after: int | None = None,
+        param: str | None = None,
+        relayed: Mapping[str, Any] | None = None,
     ) -> None:
+        """`param` names the request field at fault; `relayed` is an engine's own error
+        object, answered to the client as the engine sent it."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -79,6 +84,8 @@ class NarwhalError(Exception):
         self.transient = transient
         self.engine = engine
         self.retry_after = retry_after
+        self.param = param
+        self.relayed = relayed
 
     @property
     def is_engine_fault(self) -> bool:
@@ -89,11 +96,13 @@ class NarwhalError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
+        if self.relayed is not None:
+            return {"error": dict(self.relayed)}
         return {
             "error": {
                 "message": self.message,
                 "type": error_type(self.status),
-                "param": None,
+                "param": self.param,
                 "code": self.status,
             }
         }
@@ -109,15 +118,24 @@ class NarwhalError(Exception):
         return f"NarwhalError({self.status}, {self.message!r}, {self.cause})"
 
 
-def client_error(status: int, message: str) -> NarwhalError:
+def client_error(status: int, message: str, param: str | None = None) -> NarwhalError:
     """The client's own fault (never retried, never counted against an engine)."""
-    return NarwhalError(status, message, Cause.BAD_REQUEST)
+    return NarwhalError(status, message, Cause.BAD_REQUEST, param=param)
 
 
 def engine_error(
-    cause: Cause, message: str, engine: str, *, status: int | None = None
+    cause: Cause,
+    message: str,
+    engine: str,
+    *,
+    status: int | None = None,
+    detail: Mapping[str, Any] | None = None,
 ) -> NarwhalError:
-    """An engine fault; its router status and retry class follow from the cause, once, here."""
+    """An engine fault; its router status and retry class follow from the cause, once, here.
+
+    `detail` is the engine's error object: when the engine blames the request, the client
+    gets it unchanged (its `param` names the field, its `type` and `code` are vLLM's).
+    """
     if cause in (
         Cause.PREFILL_TIMEOUT,
         Cause.FIRST_TOKEN_TIMEOUT,
@@ -128,7 +146,7 @@ def engine_error(
     if cause is Cause.HTTP_STATUS or cause is Cause.ERROR_OBJECT:
         upstream = status if status is not None else 500
         if upstream in CLIENT_FAULT_STATUSES:
-            return NarwhalError(upstream, message, Cause.BAD_REQUEST, engine=engine)
+            return NarwhalError(upstream, message, Cause.BAD_REQUEST, engine=engine, relayed=detail)
         transient = upstream in TRANSIENT_STATUSES
         if cause is Cause.ERROR_OBJECT:
             # An error object in a 200 stream keeps its own status.

@@ -260,16 +260,9 @@ def classify(data: bytes) -> Classified:
         raise SseError("stream event has no `choices` list")
     if not choices:
         return Classified(EventKind.USAGE, payload) if "usage" in payload else _METADATA
-    choice = choices[0]
-    if has_output(choice) or _finished(choice):
+    if reports_tokens(choices[0]):
         return Classified(EventKind.OUTPUT, payload)
     return Classified(EventKind.METADATA, payload)
-
-
-def _finished(choice: object) -> bool:
-    """A `finish_reason` ends the generation: an answer that is empty (a stop string or
-    end-of-sequence at once) is still an answer, not a stream cut short."""
-    return isinstance(choice, dict) and choice.get("finish_reason") is not None
 
 
 def classify_after_first_output(data: bytes) -> Classified | None:
@@ -294,16 +287,24 @@ def classify_after_first_output(data: bytes) -> Classified | None:
     return None
 
 
-def has_output(choice: object) -> bool:
-    """Output is non-empty `text`, `delta.content`, `delta.reasoning_content` or `tool_calls`."""
+def reports_tokens(choice: object) -> bool:
+    """Whether a chunk's choice reports tokens the engine generated, whatever their text.
+
+    vLLM sends a choice only for an engine step that produced tokens (it skips steps
+    without any), so a choice is output even when its text is "" (a skipped special
+    token, part of a multi-byte character) or its delta is empty (a parser holding text
+    back while logprobs or token ids go out). The one exception opens every chat stream:
+    the role announcement, a delta with `role` and nothing else of substance, sent before
+    the first token. A choice that is not an object reports nothing.
+    """
     if not isinstance(choice, dict):
         return False
-    if choice.get("text"):
-        return True
     delta = choice.get("delta")
-    if not isinstance(delta, dict):
-        return False
-    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+    if not isinstance(delta, dict) or "role" not in delta:
+        return True
+    if choice.get("finish_reason") is not None:
+        return True
+    return any(value for key, value in delta.items() if key != "role")
 
 
 def error_status(payload: dict[str, Any]) -> tuple[int, str]:
@@ -318,6 +319,17 @@ def error_status(payload: dict[str, Any]) -> tuple[int, str]:
     if not isinstance(message, str):
         message = inner if isinstance(inner, str) else "engine reported an error"
     return status, message
+
+
+def error_detail(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The error object itself, in the newer shape's members (`message`, `type`, `param`,
+    `code`, and any others the engine added); None when there is no message to show."""
+    inner = payload.get("error")
+    if isinstance(inner, dict):
+        detail = inner
+    else:
+        detail = {key: value for key, value in payload.items() if key != "object"}
+    return detail if isinstance(detail.get("message"), str) else None
 
 
 def block_payloads(block: bytes) -> list[dict[str, Any]]:

@@ -1,32 +1,106 @@
-"""Non-streaming answers: the decode leg always streams, so the router builds the final object."""
+"""Non-streaming answers: the decode leg always streams, so the router builds the final object.
+
+The object is shaped as vLLM 0.32 answers the same request without streaming (its
+`CompletionResponse` / `ChatCompletionResponse`, every member present), filled from what
+the stream carried. Nothing the engine sent is lost: a member the stream had is kept,
+unknown ones included, whatever its name.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from narwhal.protocol.bodies import Endpoint
+from narwhal.protocol.sse import reports_tokens
+
+# vLLM 0.32's non-streaming members in its order, with their values when the stream
+# never carried them. The stream carries the rest (ids, text, finish and usage).
+_COMPLETION_TOP: dict[str, Any] = {
+    "id": None,
+    "object": "text_completion",
+    "created": None,
+    "model": None,
+    "choices": None,
+    "service_tier": None,
+    "system_fingerprint": None,
+    "usage": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_CHAT_TOP: dict[str, Any] = {
+    "id": None,
+    "object": "chat.completion",
+    "created": None,
+    "model": None,
+    "choices": None,
+    "service_tier": None,
+    "system_fingerprint": None,
+    "usage": None,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "prompt_text": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_COMPLETION_CHOICE: dict[str, Any] = {
+    "index": 0,
+    "text": "",
+    "logprobs": None,
+    "finish_reason": None,
+    "stop_reason": None,
+    "token_ids": None,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "routed_experts": None,
+}
+_CHAT_CHOICE: dict[str, Any] = {
+    "index": 0,
+    "message": None,
+    "logprobs": None,
+    "finish_reason": "stop",
+    "stop_reason": None,
+    "token_ids": None,
+    "routed_experts": None,
+}
+_MESSAGE: dict[str, Any] = {
+    "role": "assistant",
+    "content": None,
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": [],
+}
+_USAGE: dict[str, Any] = {"prompt_tokens_details": None, "completion_tokens_details": None}
+# Older engines name reasoning `reasoning_content`; only one of the two is filled in.
+_REASONING_NAMES = ("reasoning", "reasoning_content")
+# Members that are pieces of one text: concatenated, and left out when not a string.
+_TEXTS = frozenset({"text", "content", "refusal", *_REASONING_NAMES})
+# Members folded separately: the choices and deltas below a chunk, and its usage.
+_NOT_MERGED = frozenset({"object", "choices", "usage", "delta", "tool_calls"})
 
 
 class Assembler:
-    """Folds decode chunks into one OpenAI completion or chat completion object.
+    """Folds decode chunks into one completion or chat completion object.
 
-    Keeps the engine's own id, model, `finish_reason` and `usage`; concatenates text,
-    content and reasoning, and merges tool-call deltas by their index.
+    Strings are concatenated (text, content, reasoning and any other text member);
+    lists are extended (token ids, logprobs entries); tool-call deltas are merged by
+    their index; any other value is the last non-null one sent. A member of the wrong
+    type for its kind is left out rather than guessed at.
     """
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self.head: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: Any = None
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
+        self._top: dict[str, Any] = {}
+        self._choice: dict[str, Any] = {}
+        self._message: dict[str, Any] = {}
         self._tool_calls: dict[int, dict[str, Any]] = {}
 
     def add(self, chunk: dict[str, Any]) -> None:
-        if not self.head:
-            self.head = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+        _merge(self._top, chunk)
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
@@ -34,22 +108,15 @@ class Assembler:
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return
         choice = choices[0]
-        if choice.get("finish_reason") is not None:
-            self.finish_reason = choice["finish_reason"]
-        if choice.get("stop_reason") is not None:
-            self.stop_reason = choice["stop_reason"]
-        if self.endpoint is Endpoint.COMPLETIONS:
-            text = choice.get("text")
-            if isinstance(text, str):
-                self._text.append(text)
-            return
+        _merge(self._choice, choice)
         delta = choice.get("delta")
-        if not isinstance(delta, dict):
+        if self.endpoint is not Endpoint.CHAT or not isinstance(delta, dict):
             return
-        if isinstance(delta.get("content"), str):
-            self._text.append(delta["content"])
-        if isinstance(delta.get("reasoning_content"), str):
-            self._reasoning.append(delta["reasoning_content"])
+        if not reports_tokens(choice):
+            # The role announcement's empty content is no part of the answer: a reply of
+            # tool calls alone has null content, as vLLM answers it without streaming.
+            delta = {"role": delta["role"]}
+        _merge(self._message, delta, any_text=True)
         calls = delta.get("tool_calls")
         for call in calls if isinstance(calls, list) else ():
             if isinstance(call, dict):
@@ -72,33 +139,71 @@ class Assembler:
                     call["function"][field] += function[field]
 
     def result(self) -> dict[str, Any]:
-        text = "".join(self._text)
-        if self.endpoint is Endpoint.COMPLETIONS:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason,
-            }
-            kind = "text_completion"
-        else:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self._reasoning:
-                message["reasoning_content"] = "".join(self._reasoning)
-            if self._tool_calls:
-                message["tool_calls"] = [self._tool_calls[i] for i in sorted(self._tool_calls)]
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason,
-            }
-            kind = "chat.completion"
-        answer: dict[str, Any] = {"id": self.head.get("id"), "object": kind}
-        answer.update({k: v for k, v in self.head.items() if k != "id"})
+        chat = self.endpoint is Endpoint.CHAT
+        choice = _shaped(_CHAT_CHOICE if chat else _COMPLETION_CHOICE, self._choice)
+        if chat:
+            choice["message"] = self._assembled_message()
+        answer = _shaped(_CHAT_TOP if chat else _COMPLETION_TOP, self._top)
         answer["choices"] = [choice]
-        if self.usage is not None:
-            answer["usage"] = self.usage
+        answer["usage"] = None if self.usage is None else {**self.usage, **_missing(self.usage)}
         return answer
+
+    def _assembled_message(self) -> dict[str, Any]:
+        message = _shaped(_MESSAGE, self._message)
+        if not any(name in message for name in _REASONING_NAMES):
+            message["reasoning"] = None
+        if self._tool_calls:
+            message["tool_calls"] = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+        return message
+
+
+def _merge(into: dict[str, Any], part: dict[str, Any], *, any_text: bool = False) -> None:
+    """Fold one chunk's (or choice's, or delta's) members into what came before.
+
+    With `any_text` (a delta), every string member but `role` is a piece of text.
+    """
+    for key, value in part.items():
+        if key in _NOT_MERGED or value is None:
+            continue
+        seen = into.get(key)
+        if key in _TEXTS or (any_text and isinstance(value, str) and key != "role"):
+            if isinstance(value, str):
+                into[key] = seen + value if isinstance(seen, str) else value
+        elif isinstance(value, list):
+            if isinstance(seen, list):
+                seen.extend(value)
+            else:
+                into[key] = list(value)
+        elif key == "logprobs" and isinstance(value, dict):
+            if not isinstance(seen, dict):
+                into[key] = seen = {}
+            _merge_lists(seen, value)
+        else:
+            into[key] = value
+
+
+def _merge_lists(into: dict[str, Any], part: dict[str, Any]) -> None:
+    """Logprobs: each list (per token entries) extended, any other member the last sent."""
+    for key, value in part.items():
+        seen = into.get(key)
+        if isinstance(seen, list) and isinstance(value, list):
+            seen.extend(value)
+        elif value is not None:
+            into[key] = list(value) if isinstance(value, list) else value
+
+
+def _shaped(template: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """The template's members in its order, the merged values over its defaults (a value
+    of another JSON type than a string default is left out), then any other member."""
+    shaped: dict[str, Any] = {}
+    for key, default in template.items():
+        value = merged.get(key, default)
+        if isinstance(default, str) and not isinstance(value, str):
+            value = default
+        shaped[key] = value
+    shaped.update((key, value) for key, value in merged.items() if key not in template)
+    return shaped
+
+
+def _missing(usage: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in _USAGE.items() if key not in usage}

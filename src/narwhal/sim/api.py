@@ -96,27 +96,22 @@ def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -
     requested_model = body.get("model")
     if requested_model is not None and requested_model != model:
         raise ApiError(404, f"The model `{requested_model}` does not exist.", "model")
+    max_tokens_field = "max_tokens"
     if route == "chat":
         prompt_tokens = tokenize(chat_prompt(_messages(body)))
         max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        else:
+            max_tokens_field = "max_completion_tokens"
     else:
         prompt_tokens = _prompt_tokens(body)
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
     if not prompt_tokens:
         raise ApiError(400, "The prompt cannot be empty.", "prompt")
-    if max_tokens is None:
-        max_tokens = max_model_len - len(prompt_tokens)
-    if len(prompt_tokens) + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {len(prompt_tokens) + max_tokens} tokens ({len(prompt_tokens)} in the "
-            f"input, {max_tokens} in the completion). Please reduce the length of the input "
-            "or completion.",
-            "max_tokens",
-        )
+    max_tokens = _bounded_max_tokens(
+        max_tokens, max_tokens_field, len(prompt_tokens), max_model_len
+    )
     for name in ("n", "best_of"):
         count = _optional_int(body, name, minimum=1)
         if count is not None and count > 1:
@@ -137,6 +132,31 @@ def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -
         include_usage=_include_usage(body, stream),
         kv_transfer_params=_kv_transfer_params(body),
     )
+
+
+def _bounded_max_tokens(
+    max_tokens: int | None, field: str, prompt_tokens: int, max_model_len: int
+) -> int:
+    """The output cap, as vLLM 0.32 decides it: only a cap or a prompt that alone exceeds
+    the context is refused; otherwise the cap shrinks to the context left."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter={field}, value={max_tokens})",
+            field,
+        )
+    if prompt_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={prompt_tokens})",
+            "input_tokens",
+        )
+    left = max_model_len - prompt_tokens
+    return left if max_tokens is None else min(max_tokens, left)
 
 
 def _messages(body: dict[str, object]) -> list[dict[str, object]]:
@@ -214,7 +234,10 @@ def _stop(body: dict[str, object]) -> tuple[str, ...]:
 
 def _include_usage(body: dict[str, object], stream: bool) -> bool:
     options = body.get("stream_options")
-    if options is None:
+    if not options:
+        # vLLM 0.32 refuses only stream options that are set (an empty object is not).
+        if options is not None and not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
         return False
     if not stream:
         raise ApiError(

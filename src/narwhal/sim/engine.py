@@ -9,12 +9,14 @@ so a crash drops it and a restart builds a new one on the same ports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import math
 import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,18 +32,19 @@ from narwhal.sim.kv import (
     SideChannel,
     block_digests,
     pull_blocks,
+    renew_lease_every,
 )
 from narwhal.sim.model import Generation
 from narwhal.sim.options import SimOptions
 from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
-from narwhal.sim.responses import StreamEncoder
+from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
 
 ZERO_INTERVAL_BATCH = 32
 """Tokens generated per transport write when there is no inter-token interval."""
 
-METADATA_INTERVAL_S = 0.1
-"""How often a silent stream with `silence_metadata` sends a metadata chunk."""
+KEEP_ALIVE_INTERVAL_S = 0.1
+"""How often a silent stream with `silence_metadata` sends a keep-alive comment."""
 
 KEEPALIVE_TIMEOUT_S = 5.0
 """vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
@@ -66,6 +69,31 @@ class Received:
 
 
 @dataclass(slots=True)
+class _Counters:
+    """What `/metrics` counts, as vLLM 0.32 names it: prompt tokens by where their KV came
+    from (`vllm:prompt_tokens_by_source`) and the NixlConnector's failed and expired pulls."""
+
+    local_compute: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    generation_tokens: int = 0
+    nixl_failed_transfers: int = 0
+    nixl_expired_requests: int = 0
+
+    def expired(self) -> None:
+        self.nixl_expired_requests += 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A processed prompt: its block digests and where its tokens' KV came from."""
+
+    digests: list[bytes]
+    tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
 class _Launch:
     """What one engine process owns; a crash discards it, a restart makes a new one."""
 
@@ -75,6 +103,7 @@ class _Launch:
     holds: HeldBlocks
     prefix_cache: PrefixCache
     faults: ArmedFaults
+    counters: _Counters
 
 
 class SimEngine:
@@ -159,6 +188,14 @@ class SimEngine:
     def engine_id(self) -> str:
         return self._launch.engine_id
 
+    @property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`, shaped as vLLM 0.32's default: version and a config hash."""
+        options = self.options
+        config = f"{options.model}|{options.kv_block_size}|{options.tp_size}|{options.device}"
+        digest = hashlib.blake2b(config.encode(), digest_size=4).hexdigest()
+        return f"vllm-{options.version}-{digest}"
+
     # -- faults and observation ------------------------------------------------------------
 
     def set_fault(self, fault: Fault) -> None:
@@ -215,11 +252,28 @@ class SimEngine:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         response_id = ("chatcmpl-" if route == "chat" else "cmpl-") + request_id
         output: Output
+        options = self.options
         if inference.stream:
-            encoder = StreamEncoder(route, response_id, created, self.options.model)
-            output = SseOutput(request, inference, encoder)
+            encoder = StreamEncoder(
+                route,
+                response_id,
+                created,
+                options.model,
+                fingerprint=self.fingerprint,
+                reasoning_field=options.reasoning_field,
+            )
+            output = SseOutput(request, inference, encoder, options.reasoning_tokens)
         else:
-            output = JsonOutput(request, inference, response_id, created, self.options.model)
+            output = JsonOutput(
+                request,
+                inference,
+                response_id,
+                created,
+                options.model,
+                fingerprint=self.fingerprint,
+                reasoning_tokens=options.reasoning_tokens,
+                reasoning_field=options.reasoning_field,
+            )
 
         if fault.crash:
             self._crash_by_fault()
@@ -235,9 +289,10 @@ class SimEngine:
         seat: Seat | None = None
         try:
             await output.open()
-            seat = await launch.scheduler.admit(blocks)
+            async with self._renewing_lease(inference):
+                seat = await launch.scheduler.admit(blocks)
             try:
-                digests = await self._process_prompt(launch, inference, fault, response_id)
+                prompt = await self._process_prompt(launch, inference, fault, response_id)
             except ApiError as error:
                 return await output.fail(error)
             if fault.first_token_delay_s:
@@ -247,18 +302,22 @@ class SimEngine:
                 inference.sampling,
                 max_tokens=inference.max_tokens,
                 stop=inference.stop,
-                eos_probability=self.options.eos_probability,
+                eos_probability=options.eos_probability,
+                empty_probability=options.empty_token_probability,
             )
             await output.begin()
             cut_short = await self._generate(launch, generation, output, fault)
             if cut_short is not None:
                 return cut_short
-            extra: dict[str, object] = {}
+            launch.counters.generation_tokens += generation.completion_tokens
+            descriptor = None
             if inference.is_prefill and not inference.stream:
-                extra["kv_transfer_params"] = self._hold_for_pull(
-                    launch, seat, generation, digests, response_id, fault
+                descriptor = self._hold_for_pull(
+                    launch, seat, generation, prompt, response_id, fault
                 )
-            return await output.finish(generation, extra)
+            return await output.finish(
+                generation, self._usage(inference, generation, prompt), descriptor
+            )
         except ConnectionError:
             # The client went away mid-stream: its request is over.
             return output.abort()
@@ -283,7 +342,7 @@ class SimEngine:
 
     def _blocks_needed(self, inference: InferenceRequest) -> int:
         blocks = math.ceil(
-            (len(inference.prompt_tokens) + inference.max_tokens) / self.options.block_size
+            (len(inference.prompt_tokens) + inference.max_tokens) / self.options.kv_block_size
         )
         if blocks > self.options.num_kv_blocks:
             raise ApiError(
@@ -295,15 +354,15 @@ class SimEngine:
 
     async def _process_prompt(
         self, launch: _Launch, inference: InferenceRequest, fault: Fault, response_id: str
-    ) -> list[bytes]:
-        """Pay for the prompt (pull, cache hit or compute) and return its block digests."""
+    ) -> _Prompt:
+        """Pay for the prompt (pull, cache hit or compute) and count where its KV came from."""
         options = self.options
+        block_size = options.kv_block_size
         tokens = inference.prompt_tokens
-        digests = block_digests(tokens, options.block_size)
-        full_blocks = len(tokens) // options.block_size
-        cached_tokens = (
-            launch.prefix_cache.cached_blocks(digests[:full_blocks]) * options.block_size
-        )
+        digests = block_digests(tokens, block_size)
+        full_blocks = len(tokens) // block_size
+        local_tokens = launch.prefix_cache.cached_blocks(digests[:full_blocks]) * block_size
+        cached_tokens = local_tokens
         if inference.is_remote_decode:
             assert inference.kv_transfer_params is not None
             try:
@@ -311,15 +370,69 @@ class SimEngine:
                 # The pulled blocks cover the prompt; the last token is recomputed.
                 cached_tokens = len(tokens)
             except PullError as exc:
+                launch.counters.nixl_failed_transfers += 1
                 if options.kv_load_failure_policy == "fail":
                     raise ApiError(500, f"KV transfer failed: {exc}") from exc
         compute_tokens = max(1, len(tokens) - cached_tokens)
+        counters = launch.counters
+        counters.local_compute += compute_tokens
+        counters.local_cache_hit += min(local_tokens, len(tokens) - compute_tokens)
+        counters.external_kv_transfer += max(0, len(tokens) - compute_tokens - local_tokens)
         await asyncio.sleep(
             options.request_overhead_s
             + compute_tokens * options.prefill_s_per_token * self._slowdown(launch)
         )
         launch.prefix_cache.add(digests[:full_blocks])
-        return digests
+        return _Prompt(digests, len(tokens), min(local_tokens, len(tokens) - compute_tokens))
+
+    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: _Prompt) -> Usage:
+        """The request's usage as vLLM 0.32 reports it.
+
+        Cached tokens (only with `enable_prompt_tokens_details`) are the local prefix-cache
+        hits; a decode whose KV came over the side channel reports the producer's own
+        hits instead (`remote_prefill_cached_tokens`), not the pulled tokens: so 0 for a
+        prompt the producer computed. Reasoning tokens are counted when a reasoning parser
+        is on (chat only).
+        """
+        options = self.options
+        cached = None
+        if options.enable_prompt_tokens_details:
+            cached = prompt.cached_tokens
+            params = inference.kv_transfer_params
+            remote = params.get("remote_prefill_cached_tokens") if params else None
+            if inference.is_remote_decode and type(remote) is int:
+                cached = remote
+        reasoning = None
+        if options.reasoning_tokens and inference.route == "chat":
+            reasoning = min(options.reasoning_tokens, generation.completion_tokens)
+        return Usage(len(inference.prompt_tokens), generation.completion_tokens, cached, reasoning)
+
+    @contextlib.asynccontextmanager
+    async def _renewing_lease(self, inference: InferenceRequest) -> AsyncIterator[None]:
+        """While a decode waits for a seat, keep the producer's blocks: as vLLM's consumer
+        sends heartbeats every sixth of the lease until it loads the KV."""
+        params = inference.kv_transfer_params
+        if not inference.is_remote_decode or params is None:
+            yield
+            return
+        host, port = params.get("remote_host"), params.get("remote_port")
+        engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
+        if not (
+            isinstance(host, str)
+            and type(port) is int
+            and isinstance(engine_id, str)
+            and isinstance(request_id, str)
+        ):
+            yield
+            return
+        interval = self.options.kv_lease_s / 6
+        heartbeat = asyncio.create_task(
+            renew_lease_every(interval, host, port, engine_id, request_id)
+        )
+        try:
+            yield
+        finally:
+            heartbeat.cancel()
 
     async def _pull(
         self,
@@ -393,8 +506,8 @@ class SimEngine:
             return
         deadline = asyncio.get_running_loop().time() + fault.silence_s
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            await asyncio.sleep(min(METADATA_INTERVAL_S, left))
-            await output.metadata()
+            await asyncio.sleep(min(KEEP_ALIVE_INTERVAL_S, left))
+            await output.keep_alive()
 
     def _slowdown(self, launch: _Launch) -> float:
         """Steps get slower as more sequences share the batch."""
@@ -405,17 +518,19 @@ class SimEngine:
         launch: _Launch,
         seat: Seat,
         generation: Generation,
-        digests: list[bytes],
+        prompt: _Prompt,
         response_id: str,
         fault: Fault,
     ) -> dict[str, object] | None:
         """A prefill keeps its prompt blocks for the consumer and describes them.
 
         Like vLLM, only a prefill that stopped on its length cap hands off; otherwise (or
-        with a malformed-descriptor fault) nothing is held.
+        with a malformed-descriptor fault) nothing is held. The descriptor has vLLM
+        0.32's members in its order (a pull-mode NixlConnector with one KV-cache group).
         """
         if generation.finish_reason != "length" or fault.descriptor == "null":
             return None
+        digests = prompt.digests
         block_ids = seat.block_ids[: len(digests)]
         if fault.descriptor is None:
             block_ids = launch.scheduler.release(seat, keep=len(digests))
@@ -423,12 +538,20 @@ class SimEngine:
         descriptor: dict[str, object] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": launch.engine_id,
             "remote_block_ids": block_ids,
+            "remote_engine_id": launch.engine_id,
+            "remote_request_id": response_id,
             "remote_host": self.options.resolved_side_channel_host,
             "remote_port": self._side_channel_port,
             "tp_size": self.options.tp_size,
-            "remote_request_id": response_id,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt.tokens,
+            # Only a consumer's own held blocks carry an expiry time; a producer's lease
+            # is renewed by heartbeats instead.
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": prompt.cached_tokens,
         }
         if fault.descriptor == "missing_engine_id":
             del descriptor["remote_engine_id"]
@@ -496,13 +619,15 @@ class SimEngine:
     def _new_launch(self) -> _Launch:
         options = self.options
         scheduler = Scheduler(options.max_num_seqs, options.num_kv_blocks)
+        counters = _Counters()
         return _Launch(
             engine_id=options.engine_id or uuid.uuid4().hex,
             start_time=time.time(),
             scheduler=scheduler,
-            holds=HeldBlocks(options.kv_lease_s, scheduler.free_blocks),
+            holds=HeldBlocks(options.kv_lease_s, scheduler.free_blocks, counters.expired),
             prefix_cache=PrefixCache(options.num_kv_blocks),
             faults=ArmedFaults(options.faults),
+            counters=counters,
         )
 
     # -- routes ----------------------------------------------------------------------------
@@ -558,35 +683,100 @@ class SimEngine:
                 "engine_version": self.options.version,
                 "model": self.options.model,
                 "connector": "NixlConnector",
-                "block_size": self.options.block_size,
+                "block_size": self.options.kv_block_size,
                 "tp_size": self.options.tp_size,
                 "engine_id": self.engine_id,
             }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        scheduler = self._launch.scheduler
-        labels = f'{{engine="0",model_name="{self.options.model}"}}'
-        gauges = [
-            ("vllm:num_requests_running", "Requests in the running batch.", scheduler.running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", scheduler.waiting),
-            (
-                "vllm:kv_cache_usage_perc",
-                "KV-cache usage, 1 means 100 percent.",
-                scheduler.kv_usage,
-            ),
-        ]
-        lines = []
-        for name, help_text, value in gauges:
-            lines += [
-                f"# HELP {name} {help_text}",
-                f"# TYPE {name} gauge",
-                f"{name}{labels} {float(value)}",
-            ]
+        """Prometheus text with vLLM 0.32's series names and labels (a subset of them)."""
+        launch = self._launch
+        scheduler, counters, options = launch.scheduler, launch.counters, self.options
+        labels = f'model_name="{options.model}",engine="0"'
+        lines: list[str] = []
+
+        def series(kind: str, name: str, help_text: str, values: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+            suffix = "_total" if kind == "counter" else ""
+            lines.extend(f"{name}{suffix}{{{extra}}} {float(value)}" for extra, value in values)
+
+        series(
+            "gauge",
+            "vllm:num_requests_running",
+            "Requests in the running batch.",
+            [(labels, scheduler.running)],
+        )
+        series(
+            "gauge",
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            [(labels, scheduler.waiting)],
+        )
+        series(
+            "gauge",
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 1 means 100 percent.",
+            [(labels, scheduler.kv_usage)],
+        )
+        # An info metric: a gauge at 1 whose labels are the cache configuration.
+        cache_config = (
+            f'block_size="{options.kv_block_size}",cache_dtype="auto",'
+            f'enable_prefix_caching="True",num_gpu_blocks="{options.num_kv_blocks}",'
+            'engine="0"'
+        )
+        series(
+            "gauge",
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [(cache_config, 1)],
+        )
+        sources = {
+            "local_compute": counters.local_compute,
+            "local_cache_hit": counters.local_cache_hit,
+            "external_kv_transfer": counters.external_kv_transfer,
+        }
+        prompt_tokens = sum(sources.values())
+        series(
+            "counter",
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            [(labels, prompt_tokens)],
+        )
+        series(
+            "counter",
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [(f'{labels},source="{source}"', value) for source, value in sources.items()],
+        )
+        series(
+            "counter",
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            [(labels, prompt_tokens - counters.local_compute)],
+        )
+        series(
+            "counter",
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            [(labels, counters.generation_tokens)],
+        )
+        series(
+            "counter",
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers.",
+            [(labels, counters.nixl_failed_transfers)],
+        )
+        series(
+            "counter",
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire.",
+            [(labels, counters.nixl_expired_requests)],
+        )
         lines += [
             "# HELP process_start_time_seconds Start time of the process since unix epoch.",
             "# TYPE process_start_time_seconds gauge",
-            f"process_start_time_seconds {self._launch.start_time}",
+            f"process_start_time_seconds {launch.start_time}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

@@ -39,7 +39,7 @@ class Fault:
     first_token_delay_s: float = 0.0  # wait after the prompt, before the first token
     silence_after: int | None = None  # after K tokens go quiet for silence_s ...
     silence_s: float = 0.0
-    silence_metadata: bool = False  # ... still sending metadata-only chunks
+    silence_metadata: bool = False  # ... still sending keep-alive comments (as vLLM can)
     close_after: int | None = None  # after K tokens cut the connection, no [DONE]
     done_before_token: bool = False  # a stream sends [DONE] before any token
     error_after: int | None = None  # after K tokens an error object (or status) ...

@@ -4,7 +4,12 @@ A block's content is a digest chain over the prompt tokens, d_i = H(d_{i-1} || b
 consumer can verify that the blocks it pulled belong to the prompt it was given. The side
 channel is a TCP server speaking one line of JSON each way:
 ``{"op": "pull", "engine_id", "request_id", "block_ids"}`` →
-``{"ok": true, "digests": [hex, ...]}`` or ``{"ok": false, "error": "..."}``.
+``{"ok": true, "digests": [hex, ...]}`` or ``{"ok": false, "error": "..."}``, and
+``{"op": "renew", "engine_id", "request_id"}`` → ``{"ok": true}``: a consumer's heartbeat.
+
+Held blocks follow vLLM 0.32's NixlConnector lease (`kv_lease_duration`, 30 s by default):
+a consumer that has the descriptor but is not yet pulling sends a heartbeat every sixth
+of the lease, and each one moves the expiry to two thirds of a lease from then.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
@@ -22,6 +27,9 @@ from narwhal.sim.model import token_bytes
 
 PULL_TIMEOUT_S = 10.0
 """How long a consumer waits on a producer's side channel before failing the pull."""
+
+RENEWAL_SHARE = 2 / 3
+"""A heartbeat keeps held blocks for this share of the lease from its arrival."""
 
 
 class PullError(Exception):
@@ -70,18 +78,25 @@ class _Hold:
     block_ids: list[int]
     digests: list[bytes]
     expiry: asyncio.TimerHandle
+    expires_at: float
 
 
 class HeldBlocks:
     """Blocks a prefill keeps for a remote pull, keyed by the producer's request id.
 
-    A hold ends when a consumer pulls it, when its lease runs out, or when the engine
-    drops everything; each end hands the block ids back through `free`.
+    A hold ends when a consumer pulls it, when its lease runs out (`on_expiry` is told),
+    or when the engine drops everything; each end hands the block ids back through `free`.
     """
 
-    def __init__(self, lease_s: float, free: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self,
+        lease_s: float,
+        free: Callable[[list[int]], None],
+        on_expiry: Callable[[], None] = lambda: None,
+    ) -> None:
         self._lease_s = lease_s
         self._free = free
+        self._on_expiry = on_expiry
         self._holds: dict[str, _Hold] = {}
 
     def block_count(self) -> int:
@@ -89,8 +104,22 @@ class HeldBlocks:
 
     def hold(self, request_id: str, block_ids: list[int], digests: list[bytes]) -> None:
         self._end(request_id)
-        expiry = asyncio.get_running_loop().call_later(self._lease_s, self._end, request_id)
-        self._holds[request_id] = _Hold(block_ids, digests, expiry)
+        loop = asyncio.get_running_loop()
+        expires_at = loop.time() + self._lease_s
+        expiry = loop.call_at(expires_at, self._expire, request_id)
+        self._holds[request_id] = _Hold(block_ids, digests, expiry, expires_at)
+
+    def renew(self, request_id: str) -> None:
+        """A heartbeat: keep the blocks two thirds of a lease from now, if that is later."""
+        hold = self._holds.get(request_id)
+        if hold is None:
+            return
+        loop = asyncio.get_running_loop()
+        expires_at = loop.time() + self._lease_s * RENEWAL_SHARE
+        if expires_at > hold.expires_at:
+            hold.expiry.cancel()
+            hold.expiry = loop.call_at(expires_at, self._expire, request_id)
+            hold.expires_at = expires_at
 
     def take(self, request_id: str, block_ids: Sequence[int]) -> list[bytes]:
         """Hand the held blocks' content to a consumer and free them."""
@@ -105,6 +134,10 @@ class HeldBlocks:
     def drop_all(self) -> None:
         for request_id in list(self._holds):
             self._end(request_id)
+
+    def _expire(self, request_id: str) -> None:
+        self._end(request_id)
+        self._on_expiry()
 
     def _end(self, request_id: str) -> None:
         hold = self._holds.pop(request_id, None)
@@ -154,17 +187,34 @@ class SideChannel:
     def _answer(self, line: bytes) -> dict[str, object]:
         try:
             message = orjson.loads(line)
-            if not isinstance(message, dict) or message.get("op") != "pull":
-                raise PullError("expected a pull request")
+            if not isinstance(message, dict) or message.get("op") not in ("pull", "renew"):
+                raise PullError("expected a pull or a renewal")
             if message.get("engine_id") != self._engine_id():
                 raise PullError(f"unknown engine id {message.get('engine_id')!r}")
             request_id, block_ids = message.get("request_id"), message.get("block_ids")
+            if message["op"] == "renew":
+                if not isinstance(request_id, str):
+                    raise PullError("a renewal needs a request_id string")
+                self._holds().renew(request_id)
+                return {"ok": True}
             if not isinstance(request_id, str) or not isinstance(block_ids, list):
                 raise PullError("a pull needs a request_id string and a block_ids list")
             digests = self._holds().take(request_id, block_ids)
         except (PullError, orjson.JSONDecodeError) as exc:
             return {"ok": False, "error": str(exc)}
         return {"ok": True, "digests": [digest.hex() for digest in digests]}
+
+
+async def renew_lease_every(
+    interval_s: float, host: str, port: int, engine_id: str, request_id: str
+) -> None:
+    """Send a heartbeat for held blocks every `interval_s` until cancelled; a heartbeat
+    that fails is dropped (as vLLM's are), the next one tries again."""
+    while True:
+        await asyncio.sleep(interval_s)
+        request = {"op": "renew", "engine_id": engine_id, "request_id": request_id}
+        with contextlib.suppress(PullError):
+            await _exchange(host, port, request)
 
 
 async def pull_blocks(
@@ -177,6 +227,18 @@ async def pull_blocks(
         "request_id": request_id,
         "block_ids": block_ids,
     }
+    answer = await _exchange(host, port, request)
+    digests = answer.get("digests")
+    if not isinstance(digests, list):
+        raise PullError("producer answered without block digests")
+    try:
+        return [bytes.fromhex(digest) for digest in digests]
+    except (TypeError, ValueError) as exc:
+        raise PullError("producer answered without valid block digests") from exc
+
+
+async def _exchange(host: str, port: int, request: Mapping[str, object]) -> dict[str, object]:
+    """One line each way with a producer's side channel; raises PullError unless it is ok."""
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(PULL_TIMEOUT_S):
@@ -193,10 +255,4 @@ async def pull_blocks(
     if not isinstance(answer, dict) or answer.get("ok") is not True:
         error = answer.get("error") if isinstance(answer, dict) else answer
         raise PullError(f"producer refused the pull: {error}")
-    digests = answer.get("digests")
-    if not isinstance(digests, list):
-        raise PullError("producer answered without block digests")
-    try:
-        return [bytes.fromhex(digest) for digest in digests]
-    except (TypeError, ValueError) as exc:
-        raise PullError("producer answered without valid block digests") from exc
+    return answer

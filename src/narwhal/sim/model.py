@@ -85,10 +85,13 @@ class Generation:
     Token i is drawn from a hash chain seeded by the prompt tokens and the sampling settings,
     so it depends only on those, on i and on the tokens before it. Greedy decoding
     (temperature 0) ignores the seed, as a real sampler would. Text that might still turn
-    into a stop string is held back until it cannot.
+    into a stop string is held back until it cannot. With `empty_probability`, a token
+    may detokenize to nothing, like a skipped special token or part of a multi-byte
+    character in a byte-level vocabulary.
     """
 
     __slots__ = (
+        "_empty_threshold",
         "_eos_threshold",
         "_held",
         "_holdback",
@@ -98,6 +101,7 @@ class Generation:
         "completion_tokens",
         "finish_reason",
         "max_tokens",
+        "stop_reason",
     )
 
     def __init__(
@@ -108,6 +112,7 @@ class Generation:
         max_tokens: int,
         stop: Sequence[str] = (),
         eos_probability: float = 0.0,
+        empty_probability: float = 0.0,
     ) -> None:
         seed = blake2b(token_bytes(prompt_tokens), digest_size=16)
         if sampling.temperature > 0:
@@ -119,8 +124,11 @@ class Generation:
         self._held = ""
         self._pieces: list[str] = []
         self._eos_threshold = int(eos_probability * 2**64)
+        self._empty_threshold = int(empty_probability * 2**64)
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
+        # The stop string that ended the generation (vLLM's `stop_reason`).
+        self.stop_reason: str | None = None
 
     @property
     def text(self) -> str:
@@ -136,6 +144,8 @@ class Generation:
             self.finish_reason = "stop"
             return self._release(self._held)
         word = VOCAB[int.from_bytes(state[:8], "little") % len(VOCAB)]
+        if int.from_bytes(state[4:12], "little") < self._empty_threshold:
+            word = ""
         if not self._stops:
             if self.completion_tokens >= self.max_tokens:
                 self.finish_reason = "length"
@@ -145,8 +155,9 @@ class Generation:
 
     def _step_with_stops(self, word: str) -> str:
         held = self._held + word
-        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, stop) for stop in self._stops if (at := held.find(stop)) >= 0]
+        if found:
+            cut, self.stop_reason = min(found)
             self.finish_reason = "stop"
             return self._release(held[:cut])
         if self.completion_tokens >= self.max_tokens:

@@ -14,7 +14,15 @@ from aiohttp import web
 
 from narwhal.sim.api import ApiError, InferenceRequest
 from narwhal.sim.model import Generation
-from narwhal.sim.responses import DONE, StreamEncoder, completion, event
+from narwhal.sim.responses import (
+    DONE,
+    KEEP_ALIVE,
+    Answer,
+    StreamEncoder,
+    Usage,
+    completion,
+    event,
+)
 
 
 class Output(Protocol):
@@ -27,9 +35,10 @@ class Output(Protocol):
         """Mark the start of generated output (a chat stream's role chunk)."""
 
     async def tokens(self, texts: list[str], generation: Generation) -> None:
-        """Relay text released by consecutive tokens; the last may finish the generation."""
+        """Relay consecutive tokens, each with the text it released (maybe none); the
+        last may finish the generation."""
 
-    async def metadata(self) -> None:
+    async def keep_alive(self) -> None:
         """Show liveness without output."""
 
     async def done_early(self) -> web.StreamResponse:
@@ -39,9 +48,12 @@ class Output(Protocol):
         """End the request with an error."""
 
     async def finish(
-        self, generation: Generation, extra: Mapping[str, object]
+        self,
+        generation: Generation,
+        usage: Usage,
+        kv_transfer_params: Mapping[str, object] | None,
     ) -> web.StreamResponse:
-        """End the request normally; `extra` adds top-level fields to a JSON answer."""
+        """End the request normally; a JSON answer carries `kv_transfer_params`."""
 
     def abort(self) -> web.StreamResponse:
         """Cut the connection without a proper ending."""
@@ -57,16 +69,25 @@ def _abort(request: web.Request) -> None:
 
 
 class SseOutput:
-    """A `text/event-stream` response; several events may share one transport write."""
+    """A `text/event-stream` response; several events may share one transport write.
+
+    Like vLLM, one event per generated token, whatever text it released; with a
+    reasoning parser (`reasoning_tokens`), a chat stream's first tokens are reasoning.
+    """
 
     streaming = True
 
     def __init__(
-        self, request: web.Request, inference: InferenceRequest, encoder: StreamEncoder
+        self,
+        request: web.Request,
+        inference: InferenceRequest,
+        encoder: StreamEncoder,
+        reasoning_tokens: int = 0,
     ) -> None:
         self._request = request
         self._inference = inference
         self._encoder = encoder
+        self._reasoning_tokens = reasoning_tokens if inference.route == "chat" else 0
         self._response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -79,18 +100,22 @@ class SseOutput:
             await self._response.write(self._encoder.role())
 
     async def tokens(self, texts: list[str], generation: Generation) -> None:
+        first = generation.completion_tokens - len(texts)
+        reasoning = self._reasoning_tokens
         token = self._encoder.token
-        parts = [token(text) for text in texts[:-1] if text]
-        last = texts[-1]
+        parts = [token(text, reasoning=first + i < reasoning) for i, text in enumerate(texts)]
         if generation.finish_reason is not None:
-            parts.append(self._encoder.last_token(last, generation.finish_reason))
-        elif last:
-            parts.append(token(last))
-        if parts:
-            await self._response.write(b"".join(parts))
+            parts[-1] = self._encoder.last_token(
+                texts[-1],
+                generation.finish_reason,
+                generation.stop_reason,
+                reasoning=first + len(texts) - 1 < reasoning,
+                with_fingerprint=not self._inference.include_usage,
+            )
+        await self._response.write(b"".join(parts))
 
-    async def metadata(self) -> None:
-        await self._response.write(self._encoder.metadata())
+    async def keep_alive(self) -> None:
+        await self._response.write(KEEP_ALIVE)
 
     async def done_early(self) -> web.StreamResponse:
         await self._response.write(DONE)
@@ -103,12 +128,14 @@ class SseOutput:
         return self._response
 
     async def finish(
-        self, generation: Generation, extra: Mapping[str, object]
+        self,
+        generation: Generation,
+        usage: Usage,
+        kv_transfer_params: Mapping[str, object] | None,
     ) -> web.StreamResponse:
         tail = DONE
         if self._inference.include_usage:
-            prompt_tokens = len(self._inference.prompt_tokens)
-            tail = self._encoder.usage(prompt_tokens, generation.completion_tokens) + DONE
+            tail = self._encoder.usage(usage) + DONE
         await self._response.write(tail)
         await self._response.write_eof()
         return self._response
@@ -130,12 +157,21 @@ class JsonOutput:
         response_id: str,
         created: int,
         model: str,
+        *,
+        fingerprint: str,
+        reasoning_tokens: int = 0,
+        reasoning_field: str = "reasoning",
     ) -> None:
         self._request = request
         self._inference = inference
         self._response_id = response_id
         self._created = created
         self._model = model
+        self._fingerprint = fingerprint
+        self._reasoning_field = reasoning_field
+        self._reasoning_tokens = reasoning_tokens if inference.route == "chat" else 0
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
 
     async def open(self) -> None:
         pass
@@ -144,9 +180,11 @@ class JsonOutput:
         pass
 
     async def tokens(self, texts: list[str], generation: Generation) -> None:
-        pass
+        first = generation.completion_tokens - len(texts)
+        for index, text in enumerate(texts, first):
+            (self._reasoning if index < self._reasoning_tokens else self._content).append(text)
 
-    async def metadata(self) -> None:
+    async def keep_alive(self) -> None:
         pass
 
     async def done_early(self) -> web.StreamResponse:
@@ -156,20 +194,29 @@ class JsonOutput:
         return error_response(error)
 
     async def finish(
-        self, generation: Generation, extra: Mapping[str, object]
+        self,
+        generation: Generation,
+        usage: Usage,
+        kv_transfer_params: Mapping[str, object] | None,
     ) -> web.StreamResponse:
         assert generation.finish_reason is not None
+        answer = Answer(
+            text="".join(self._content),
+            finish_reason=generation.finish_reason,
+            stop_reason=generation.stop_reason,
+            usage=usage,
+            reasoning="".join(self._reasoning) if self._reasoning_tokens else None,
+        )
         body = completion(
             self._inference.route,
             self._response_id,
             self._created,
             self._model,
-            text=generation.text,
-            finish_reason=generation.finish_reason,
-            prompt_tokens=len(self._inference.prompt_tokens),
-            completion_tokens=generation.completion_tokens,
+            answer,
+            fingerprint=self._fingerprint,
+            reasoning_field=self._reasoning_field,
+            kv_transfer_params=kv_transfer_params,
         )
-        body.update(extra)
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     def abort(self) -> web.StreamResponse:

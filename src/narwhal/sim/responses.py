@@ -1,12 +1,15 @@
-"""Response bodies: the SSE events of a stream and the non-streaming objects.
+"""Response bodies: the SSE events of a stream and the non-streaming objects, member for
+member as vLLM 0.32 serializes them (its pydantic models, in their order).
 
-A stream's chunks differ only in their text, so each `StreamEncoder` encodes the fixed parts
-once and a token's event is three byte strings joined; vocabulary words are pre-encoded.
+A stream's token chunks differ only in their text, so each `StreamEncoder` encodes the
+fixed parts once and a token's event is three byte strings joined; vocabulary words are
+pre-encoded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import orjson
 
@@ -14,16 +17,55 @@ from narwhal.sim.api import Route
 from narwhal.sim.model import VOCAB
 
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
+"""What vLLM sends on an idle stream with `--sse-keep-alive-interval`: an SSE comment."""
 
 _ENCODED_WORDS = {word: orjson.dumps(word) for word in VOCAB}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A request's token counts; `cached_tokens` and `reasoning_tokens` are None when the
+    engine does not report them (no `--enable-prompt-tokens-details`, no reasoning parser)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def streamed(self) -> dict[str, object]:
+        """The usage chunk's member: vLLM leaves out what is None there."""
+        usage: dict[str, object] = {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
+
+    def whole(self) -> dict[str, object]:
+        """A non-streaming answer's member: every field, None as null."""
+        details = None
+        if self.cached_tokens is not None:
+            details = {
+                "cached_tokens": self.cached_tokens,
+                "created_cache_tokens": None,
+                "multimodal_tokens": None,
+            }
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_tokens_details": details,
+            "completion_tokens_details": (
+                None
+                if self.reasoning_tokens is None
+                else {"reasoning_tokens": self.reasoning_tokens}
+            ),
+        }
 
 
 def event(payload: Mapping[str, object]) -> bytes:
@@ -32,10 +74,26 @@ def event(payload: Mapping[str, object]) -> bytes:
 
 
 class StreamEncoder:
-    """Encodes the chunks of one stream (completions or chat) exactly as vLLM shapes them."""
+    """Encodes the chunks of one stream (completions or chat) exactly as vLLM 0.32 does.
 
-    def __init__(self, route: Route, response_id: str, created: int, model: str) -> None:
+    `fingerprint` is the engine's `system_fingerprint`: vLLM puts it on the usage chunk,
+    or on the finishing chunk when no usage is asked for. `reasoning_field` names the
+    delta member reasoning text goes in.
+    """
+
+    def __init__(
+        self,
+        route: Route,
+        response_id: str,
+        created: int,
+        model: str,
+        *,
+        fingerprint: str,
+        reasoning_field: str = "reasoning",
+    ) -> None:
         self._chat = route == "chat"
+        self._fingerprint = fingerprint
+        self._reasoning_field = reasoning_field
         self._head = {
             "id": response_id,
             "object": "chat.completion.chunk" if self._chat else "text_completion",
@@ -45,44 +103,73 @@ class StreamEncoder:
         open_head = b"data: " + orjson.dumps(self._head)[:-1] + b',"choices":[{"index":0,'
         if self._chat:
             self._before_text = open_head + b'"delta":{"content":'
-            self._between = b"},"
+            self._before_reasoning = open_head + b'"delta":{' + orjson.dumps(reasoning_field) + b":"
+            self._after_text = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
         else:
-            self._before_text = open_head + b'"text":'
-            self._between = b","
-        self._after_text = self._between + b'"logprobs":null,"finish_reason":null}]}\n\n'
+            self._before_text = self._before_reasoning = open_head + b'"text":'
+            self._after_text = (
+                b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
+                b'"prompt_token_ids":null,"token_ids":null}]}\n\n'
+            )
 
-    def token(self, text: str) -> bytes:
-        """A chunk carrying generated text."""
+    def token(self, text: str, *, reasoning: bool = False) -> bytes:
+        """A chunk for one generated token; its text may be "" (it detokenized to nothing)."""
         encoded = _ENCODED_WORDS.get(text) or orjson.dumps(text)
-        return self._before_text + encoded + self._after_text
+        before = self._before_reasoning if reasoning else self._before_text
+        return before + encoded + self._after_text
 
-    def last_token(self, text: str, finish_reason: str) -> bytes:
-        """The chunk that carries the final text and the finish reason."""
-        return self._chunk(self._delta(text), finish_reason)
-
-    def role(self) -> bytes:
-        """The chat stream's first chunk, before any generated output."""
-        return self._chunk({"role": "assistant", "content": ""}, None)
-
-    def metadata(self) -> bytes:
-        """A chunk without generated output, as engines send while busy."""
-        return self._chunk({} if self._chat else {"text": ""}, None)
-
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return event(self._head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-
-    def _delta(self, text: str) -> dict[str, object]:
-        return {"content": text} if self._chat else {"text": text}
-
-    def _chunk(self, fields: dict[str, object], finish_reason: str | None) -> bytes:
+    def last_token(
+        self,
+        text: str,
+        finish_reason: str,
+        stop_reason: str | None,
+        *,
+        reasoning: bool = False,
+        with_fingerprint: bool,
+    ) -> bytes:
+        """The chunk that carries the final token and the finish reason."""
         choice: dict[str, object] = {"index": 0}
         if self._chat:
-            choice["delta"] = fields
+            choice["delta"] = {self._reasoning_field if reasoning else "content": text}
+            choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+            choice["token_ids"] = None
         else:
-            choice.update(fields)
-        choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason
-        return event(self._head | {"choices": [choice]})
+            choice.update(text=text, logprobs=None, finish_reason=finish_reason)
+            choice.update(stop_reason=stop_reason, prompt_token_ids=None, token_ids=None)
+        chunk: dict[str, object] = self._head | {"choices": [choice]}
+        if with_fingerprint:
+            chunk["system_fingerprint"] = self._fingerprint
+        return event(chunk)
+
+    def role(self) -> bytes:
+        """The chat stream's first chunk, sent with the first token, announcing the role."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return event(
+            self._head | {"choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+        )
+
+    def usage(self, usage: Usage) -> bytes:
+        """The last chunk before [DONE] when usage is asked for."""
+        return event(
+            self._head
+            | {"choices": [], "usage": usage.streamed(), "system_fingerprint": self._fingerprint}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a finished generation says, for its non-streaming object."""
+
+    text: str
+    finish_reason: str
+    stop_reason: str | None
+    usage: Usage
+    reasoning: str | None = None
 
 
 def completion(
@@ -90,25 +177,47 @@ def completion(
     response_id: str,
     created: int,
     model: str,
+    answer: Answer,
     *,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
+    fingerprint: str,
+    reasoning_field: str = "reasoning",
+    kv_transfer_params: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """The non-streaming completions or chat object."""
+    """The non-streaming completions or chat object, every member vLLM 0.32 dumps."""
     choice: dict[str, object] = {"index": 0}
-    if route == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice["logprobs"] = None
-    choice["finish_reason"] = finish_reason
-    return {
+    top: dict[str, object] = {
         "id": response_id,
         "object": "chat.completion" if route == "chat" else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
+        "usage": answer.usage.whole(),
     }
+    if route == "chat":
+        # With a reasoning parser, an answer of reasoning alone has no content.
+        content = answer.text if answer.text or answer.reasoning is None else None
+        choice["message"] = {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            reasoning_field: answer.reasoning,
+        }
+        choice.update(logprobs=None, finish_reason=answer.finish_reason)
+        choice.update(stop_reason=answer.stop_reason, token_ids=None, routed_experts=None)
+        top.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    else:
+        choice.update(text=answer.text, logprobs=None, finish_reason=answer.finish_reason)
+        choice.update(stop_reason=answer.stop_reason, token_ids=None, prompt_logprobs=None)
+        choice.update(prompt_token_ids=None, routed_experts=None)
+    top.update(
+        kv_transfer_params=None if kv_transfer_params is None else dict(kv_transfer_params),
+        ec_transfer_params=None,
+        metrics=None,
+    )
+    return top
