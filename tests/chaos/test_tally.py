@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal.chaos.checks import CLIENT_CLOSED
+from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.load import Sent
 from narwhal.chaos.tally import Tally
 
@@ -97,3 +98,20 @@ def test_a_client_told_other_than_the_journal_is_found_unless_it_left() -> None:
 def test_only_the_first_problems_are_kept_but_all_are_counted() -> None:
     tally = tally_of([], [line(i) for i in range(20)])
     assert tally.once.count == 20 and len(tally.once.shown) == 5
+
+
+def test_429s_and_503s_are_counted_by_reason_and_a_503_for_lack_of_an_engine_is_judged() -> None:
+    downtime = Downtime({"decode": ["d0"]})
+    downtime.down("d0", 10.0)
+    downtime.up("d0", 11.0)
+    no_engine = "no engine can decode: none of the 1 is admitted (1 refuse connections)"
+    tally = Tally(seed=1, max_attempts=2, downtime=downtime)
+    for index, status, error, ts in [
+        (0, 503, no_engine, 10.5),
+        (1, 503, no_engine, 30.0),
+        (2, 429, "the router's queue is full (32 wait)", 30.0),
+    ]:
+        tally.add_line(line(index, status, "unavailable", error=error, ts=ts, duration_s=0.1))
+    tally.add_line(line(3, 502, "connect"))
+    assert tally.unavailable == {(503, "no engine can decode"): 2, (429, "queue full"): 1}
+    assert tally.no_engine.count == 1 and tally.no_engine.shown[0].startswith("chaos-1-1: 503")

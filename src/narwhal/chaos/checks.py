@@ -8,10 +8,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.load import Sent
 from narwhal.protocol.errors import Cause
 
 CLIENT_CLOSED = 499
+NO_ENGINE = "no engine can "
+# How long after an engine accepts connections again a 503 for lack of an engine is still
+# fair. The router learns it is back from a `/health` probe of its urgent readmission tick,
+# every `readmit_interval_s` (0.3 s in the soak) after the previous tick has judged every
+# ejected engine, which may take a probe's health check and two legs (0.5 + 2 x 0.8 s);
+# on a busy 2-core machine the event loop adds its own lag on top of that.
+READMIT_GRACE_S = 3.0
+# The router's own reasons to answer 429 or 503, by how its message begins.
+_UNAVAILABLE = (
+    ("the router's queue is full", "queue full"),
+    ("no seat became free within", "no seat within the queue timeout"),
+    (NO_ENGINE + "prefill", "no engine can prefill"),
+    (NO_ENGINE + "decode", "no engine can decode"),
+    ("the router is shutting down", "shutting down"),
+    ("the router shut down", "shutting down"),
+)
 _TIMEOUT_CAUSES = {
     Cause.DEADLINE,
     Cause.PREFILL_TIMEOUT,
@@ -95,4 +112,33 @@ def check_service(state: Mapping[str, Any]) -> list[str]:
         f"engine {engine['id']} is {engine['state']}: {engine['ejection_reason']}"
         for engine in state["engines"]
         if engine["state"] != "admitted"
+    ]
+
+
+def unavailable_reason(line: Mapping[str, Any]) -> str | None:
+    """Why a line's answer was 429 or 503 (None for other statuses), from its error text."""
+    if line["status"] not in (429, 503):
+        return None
+    if line["cause"] != Cause.UNAVAILABLE:
+        return f"an engine's {line['cause']}"
+    error = line["error"] or ""
+    return next((reason for start, reason in _UNAVAILABLE if error.startswith(start)), "other")
+
+
+def no_engine_problems(line: Mapping[str, Any], downtime: Downtime) -> list[str]:
+    """A 503 for lack of an engine only while every engine of that phase refused
+    connections: at some moment of the request, each was down or just back."""
+    error = line["error"]
+    if line["status"] != 503 or not isinstance(error, str) or not error.startswith(NO_ENGINE):
+        return []
+    phase = error.removeprefix(NO_ENGINE).split(":", 1)[0]
+    end = line["ts"]
+    start = end - line["duration_s"]
+    if downtime.all_down(phase, start, end, READMIT_GRACE_S):
+        return []
+    up = downtime.accepting_throughout(phase, start, end, READMIT_GRACE_S)
+    return [
+        f"{line['client_request_id']}: 503 {error!r}, but no moment of its "
+        f"{line['duration_s']:.2f} s found every {phase} engine down"
+        + (f" ({', '.join(up)} accepted connections throughout)" if up else "")
     ]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+from narwhal.chaos.downtime import Downtime
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import Fault
 
@@ -61,14 +63,27 @@ OUTAGE = "outage"  # not a fault but an act: crash() an engine now, restart() it
 
 
 class Outages:
-    """Takes engines down and brings them back, one outage at a time per engine."""
+    """Takes engines down and brings them back, one outage at a time per engine, and
+    records in `downtime` whenever any engine stops or starts accepting connections."""
 
-    def __init__(self, engines: Mapping[str, SimEngine], rng: random.Random) -> None:
+    def __init__(
+        self, engines: Mapping[str, SimEngine], rng: random.Random, downtime: Downtime
+    ) -> None:
         self._engines = engines
         self._rng = rng
         self._down: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.errors: list[str] = []
+        self.downtime = downtime
+
+    def listening(self, name: str, accepting: bool) -> None:
+        """The engine's listener opened or closed: an outage, a crash fault, a restart, or
+        a `refuse_s` fault firing (on the next request after it is armed, for `refuse_s`,
+        as many times as armed), each known when it happens rather than guessed."""
+        if accepting:
+            self.downtime.up(name, time.time())
+        else:
+            self.downtime.down(name, time.time())
 
     def crashed(self, name: str) -> None:
         """A `crash` fault fired: the engine is gone until restarted."""

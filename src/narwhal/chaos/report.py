@@ -35,6 +35,7 @@ class Report:
         return {
             "one outcome per request": self.tally.once,
             "statuses follow the rules": self.tally.rules,
+            "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
             "clients saw what the journal says": self.tally.views,
             "nothing left in flight": leaks,
             "every engine back in service": service,
@@ -48,6 +49,7 @@ class Report:
 
 
 def format_report(report: Report) -> str:
+    """The figures first, then one PASS or FAIL line per check with its first problems."""
     options, tally = report.options, report.tally
     out = [
         f"narwhal chaos: seed {options.seed}, {options.prefill} prefill + {options.decode} "
@@ -60,6 +62,9 @@ def format_report(report: Report) -> str:
     out += [
         f"  {status} {cause:<20}{n:>7}" for (status, cause), n in sorted(tally.outcomes.items())
     ]
+    unavailable = tally.unavailable
+    out.append(f"429 and 503 answers by reason ({sum(unavailable.values())}):")
+    out += [f"  {status} {reason:<36}{n:>7}" for (status, reason), n in sorted(unavailable.items())]
     out.append(
         f"clients: {tally.left} left part-way ({tally.closed} journaled as 499), "
         f"{tally.terminal} streams ended with a terminal error event"

@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from narwhal.chaos.checks import check_leaks, check_service
+from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.faults import Outages, inject
 from narwhal.chaos.load import MODEL, Load
 from narwhal.chaos.memory import memory_trend, rss_bytes
@@ -110,7 +111,10 @@ class _Failures(logging.Handler):
 
 async def run_chaos(options: ChaosOptions) -> Report:
     """Run the soak and judge it; the report says what happened and what failed."""
-    report = Report(options, Tally(options.seed, ROUTER["serving"]["max_attempts"]))
+    roles = [(f"prefill-{i}", "prefill") for i in range(options.prefill)]
+    roles += [(f"decode-{i}", "decode") for i in range(options.decode)]
+    downtime = Downtime({phase: [name for name, r in roles if r == phase] for _, phase in roles})
+    report = Report(options, Tally(options.seed, ROUTER["serving"]["max_attempts"], downtime))
     failures = _Failures(report.unhandled)
     root = logging.getLogger()
     root.addHandler(failures)
@@ -123,21 +127,28 @@ async def run_chaos(options: ChaosOptions) -> Report:
     )
     try:
         with tempfile.TemporaryDirectory(prefix="narwhal-chaos-") as scratch:
-            await _run(options, report, Path(scratch) / "journal.jsonl")
+            await _run(options, roles, downtime, report, Path(scratch) / "journal.jsonl")
     finally:
         root.removeHandler(failures)
         loop.set_exception_handler(previous)
     return report
 
 
-async def _run(options: ChaosOptions, report: Report, journal: Path) -> None:
-    roles = [(f"prefill-{i}", "prefill") for i in range(options.prefill)]
-    roles += [(f"decode-{i}", "decode") for i in range(options.decode)]
+async def _run(
+    options: ChaosOptions,
+    roles: list[tuple[str, str]],
+    downtime: Downtime,
+    report: Report,
+    journal: Path,
+) -> None:
     engines: dict[str, SimEngine] = {}
-    outages = Outages(engines, random.Random(options.seed + 1))
+    outages = Outages(engines, random.Random(options.seed + 1), downtime)
     for name, _ in roles:
-        on_crash = partial(outages.crashed, name)
-        engines[name] = SimEngine(replace(ENGINE, name=name), on_crash=on_crash)
+        engines[name] = SimEngine(
+            replace(ENGINE, name=name),
+            on_crash=partial(outages.crashed, name),
+            on_listening=partial(outages.listening, name),
+        )
     async with asyncio.TaskGroup() as group:
         for engine in engines.values():
             group.create_task(engine.start())

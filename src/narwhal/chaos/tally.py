@@ -7,7 +7,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from narwhal.chaos.checks import CLIENT_CLOSED, line_problems, view_problems
+from narwhal.chaos.checks import (
+    CLIENT_CLOSED,
+    line_problems,
+    no_engine_problems,
+    unavailable_reason,
+    view_problems,
+)
+from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.load import Sent
 
 SHOWN_PROBLEMS = 5
@@ -31,17 +38,23 @@ class Tally:
     """Judges each request once both its client's view and its journal line are in, then
     keeps only counts: a long run's memory does not grow with its number of requests."""
 
-    def __init__(self, seed: int, max_attempts: int) -> None:
+    def __init__(self, seed: int, max_attempts: int, downtime: Downtime | None = None) -> None:
+        """`downtime` is read as lines come in: every outage a line's request lived
+        through began before the line was written."""
         self._prefix = f"chaos-{seed}-"
         self._max_attempts = max_attempts
+        self._downtime = Downtime({}) if downtime is None else downtime
         self._sent: dict[int, Sent] = {}
         self._lines: dict[int, dict[str, Any]] = {}
         self._judged = bytearray()
         self.requests = self.lines = self.left = self.closed = self.terminal = 0
         self.outcomes: Counter[tuple[int, str]] = Counter()
+        # 429 and 503 answers by (status, reason).
+        self.unavailable: Counter[tuple[int, str]] = Counter()
         self.once = Problems()
         self.rules = Problems()
         self.views = Problems()
+        self.no_engine = Problems()
 
     def id_of(self, sent: Sent) -> str:
         return f"{self._prefix}{sent.index}"
@@ -65,6 +78,10 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
+        reason = unavailable_reason(line)
+        if reason is not None:
+            self.unavailable[line["status"], reason] += 1
+            self.no_engine.add(no_engine_problems(line, self._downtime))
         rid = line["client_request_id"]
         index = self._index_of(rid)
         if index is None:
