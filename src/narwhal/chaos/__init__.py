@@ -11,6 +11,7 @@ memory and no unhandled exception. The seed fixes every random choice, not the t
 | `options` | what a run is asked to do |
 | `faults` | fault draws, outages, the injector |
 | `load` | the clients and what each was told |
+| `downtime` | when each engine did not accept connections |
 | `checks` | the rules, as pure functions |
 | `tally` | counting outcomes and problems as they come |
 | `memory` | the RSS trend |
@@ -23,9 +24,12 @@ from narwhal.chaos.checks import (
     check_leaks,
     check_service,
     line_problems,
+    no_engine_problems,
     status_allowed,
+    unavailable_reason,
     view_problems,
 )
+from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.faults import FAULTS, OUTAGE, Outages, inject
 from narwhal.chaos.load import Load, Sent, terminal_code
 from narwhal.chaos.memory import Trend, memory_trend, rss_bytes
@@ -39,6 +43,7 @@ __all__ = [
     "FAULTS",
     "OUTAGE",
     "ChaosOptions",
+    "Downtime",
     "Load",
     "Outages",
     "Problems",
@@ -53,9 +58,11 @@ __all__ = [
     "inject",
     "line_problems",
     "memory_trend",
+    "no_engine_problems",
     "rss_bytes",
     "run_chaos",
     "status_allowed",
     "terminal_code",
+    "unavailable_reason",
     "view_problems",
 ]
