@@ -338,6 +338,23 @@ async def test_refuse_stops_accepting_connections_for_a_while(sim: Sim) -> None:
     assert (await sim.post(engine, COMPLETIONS, BODY))[0] == 200
 
 
+async def test_an_engine_tells_each_time_it_stops_and_starts_accepting_connections(
+    sim: Sim,
+) -> None:
+    told: list[bool] = []
+    engine = SimEngine(SimOptions(faults_enabled=True, inter_token_s=0.0), on_listening=told.append)
+    sim.engines.append(engine)
+    await engine.start()
+    engine.set_fault(Fault(refuse_s=0.2, times=1))
+    with pytest.raises(aiohttp.ClientError):
+        await sim.post(engine, COMPLETIONS, BODY)
+    assert told == [True, False]
+    await sim.until(lambda: len(told) == 3)
+    await engine.crash()
+    await engine.restart()
+    assert told == [True, False, True, False, True]
+
+
 async def test_crash_fault_drops_everything_in_process(sim: Sim) -> None:
     engine = await sim.start(faults_enabled=True, inter_token_s=0.01)
     prefill = BODY | {"max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}

@@ -114,12 +114,16 @@ class SimEngine:
         options: SimOptions,
         *,
         on_crash: Callable[[], None] | None = None,
+        on_listening: Callable[[bool], None] | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         """`on_crash` replaces the in-process crash for the `crash` fault (a CLI exits);
+        `on_listening` is told each time the engine starts (True) or stops (False) accepting
+        connections, whatever the reason (start, crash, restart, `refuse_s`, stop);
         `ssl_context` serves HTTPS, as an engine behind TLS would."""
         self.options = options
         self._on_crash = on_crash
+        self._on_listening = on_listening
         self._ssl_context = ssl_context
         self._launch = self._new_launch()
         self._runner: web.AppRunner | None = None
@@ -591,6 +595,8 @@ class SimEngine:
             ssl=self._ssl_context,
         )
         self._port = self._http.sockets[0].getsockname()[1]
+        if self._on_listening is not None:
+            self._on_listening(True)
 
     def _close_listener(self) -> None:
         if self._reopen is not None:
@@ -599,6 +605,8 @@ class SimEngine:
         if self._http is not None:
             self._http.close()
             self._http = None
+            if self._on_listening is not None:
+                self._on_listening(False)
 
     def _drop_everything(self) -> None:
         self._close_listener()

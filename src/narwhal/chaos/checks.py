@@ -1,0 +1,145 @@
+"""The rules a soak judges each journal line, each client's view and the settled router by.
+
+Pure functions: each takes what was observed and returns the problems found, as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from narwhal.chaos.downtime import Downtime
+from narwhal.chaos.load import Sent
+from narwhal.protocol.errors import Cause
+
+CLIENT_CLOSED = 499
+NO_ENGINE = "no engine can "
+# How long after an engine accepts connections again a 503 for lack of an engine is still
+# fair. The router learns it is back from a `/health` probe of its urgent readmission tick,
+# every `readmit_interval_s` (0.3 s in the soak) after the previous tick has judged every
+# ejected engine, which may take a probe's health check and two legs (0.5 + 2 x 0.8 s);
+# on a busy 2-core machine the event loop adds its own lag on top of that (a soak beside
+# two busy loops needed up to 1.7 s, an idle one 0.6 s).
+READMIT_GRACE_S = 3.0
+# The router's own reasons to answer 429 or 503, by how its message begins.
+_UNAVAILABLE = (
+    ("the router's queue is full", "queue full"),
+    ("no seat became free within", "no seat within the queue timeout"),
+    (NO_ENGINE + "prefill", "no engine can prefill"),
+    (NO_ENGINE + "decode", "no engine can decode"),
+    ("the router is shutting down", "shutting down"),
+    ("the router shut down", "shutting down"),
+)
+_TIMEOUT_CAUSES = {
+    Cause.DEADLINE,
+    Cause.PREFILL_TIMEOUT,
+    Cause.FIRST_TOKEN_TIMEOUT,
+    Cause.SILENCE,
+    Cause.HANDOFF_EXPIRED,
+}
+_BAD_GATEWAY_CAUSES = {
+    Cause.CONNECT,
+    Cause.CLOSED_EARLY,
+    Cause.DONE_BEFORE_TOKEN,
+    Cause.BAD_RESPONSE,
+    Cause.DESCRIPTOR,
+}
+_OUTCOMES = {200: "ok", CLIENT_CLOSED: "client_closed", 504: "timeout"}
+
+
+def status_allowed(status: int, cause: str | None) -> bool:
+    """The rules: each cause answers with the statuses it may have, and no other."""
+    if cause is None:
+        return status in (200, CLIENT_CLOSED)
+    if cause == Cause.BAD_REQUEST:
+        return 400 <= status < 500 and status != CLIENT_CLOSED
+    if cause == Cause.UNAVAILABLE:
+        return status in (429, 503)
+    if cause in _TIMEOUT_CAUSES:
+        return status == 504
+    if cause in _BAD_GATEWAY_CAUSES:
+        return status == 502
+    if cause == Cause.HTTP_STATUS:
+        return status in (502, 504)
+    if cause == Cause.ERROR_OBJECT:
+        # An error object keeps its own status; a client-fault one is filed as bad_request.
+        return 400 <= status <= 599 and status not in (400, 413, 422, CLIENT_CLOSED)
+    return False
+
+
+def line_problems(line: Mapping[str, Any], max_attempts: int) -> list[str]:
+    """What is wrong with one journal line on its own: its status against its cause, its
+    outcome and error against its status, its attempts against the limit."""
+    status, cause, rid = line["status"], line["cause"], line["client_request_id"]
+    problems = []
+    if not status_allowed(status, cause):
+        problems.append(f"{rid}: status {status} for cause {cause}")
+    outcome = _OUTCOMES.get(status, "client_error" if status < 500 else "error")
+    if line["outcome"] != outcome:
+        problems.append(f"{rid}: outcome {line['outcome']} for status {status}")
+    if (line["error"] is None) != (status == 200):
+        problems.append(f"{rid}: error {line['error']!r} with status {status}")
+    if line["attempts"] > max_attempts:
+        problems.append(f"{rid}: {line['attempts']} attempts, over {max_attempts}")
+    return problems
+
+
+def view_problems(sent: Sent, line: Mapping[str, Any]) -> list[str]:
+    """A client that stayed was told what its journal line says; 499 only if it left."""
+    rid, status = line["client_request_id"], line["status"]
+    if status == CLIENT_CLOSED and not sent.left:
+        return [f"{rid}: journaled 499 but its client stayed"]
+    if not sent.left and sent.seen != status:
+        return [f"{rid}: the client was told {sent.seen}, the journal says {status}"]
+    return []
+
+
+def check_leaks(state: Mapping[str, Any]) -> list[str]:
+    """Nothing in flight, queued, held open to an engine, or seated, once the load is over."""
+    problems = [
+        f"{key} = {state[key]}" for key in ("in_flight", "queued", "open_engine_legs") if state[key]
+    ]
+    for engine in state["engines"]:
+        for phase in ("prefill", "decode"):
+            seats = engine["seats"][phase]["in_use"]
+            if seats:
+                problems.append(f"engine {engine['id']} holds {seats} {phase} seats")
+    return problems
+
+
+def check_service(state: Mapping[str, Any]) -> list[str]:
+    """Once faults stop and engines are back up, readmission returns every one to service."""
+    return [
+        f"engine {engine['id']} is {engine['state']}: {engine['ejection_reason']}"
+        for engine in state["engines"]
+        if engine["state"] != "admitted"
+    ]
+
+
+def unavailable_reason(line: Mapping[str, Any]) -> str | None:
+    """Why a line's answer was 429 or 503 (None for other statuses), from its error text."""
+    if line["status"] not in (429, 503):
+        return None
+    if line["cause"] != Cause.UNAVAILABLE:
+        return f"an engine's {line['cause']}"
+    error = line["error"] or ""
+    return next((reason for start, reason in _UNAVAILABLE if error.startswith(start)), "other")
+
+
+def no_engine_problems(line: Mapping[str, Any], downtime: Downtime) -> list[str]:
+    """A 503 for lack of an engine only while every engine of that phase refused
+    connections: at some moment of the request, each was down or just back."""
+    error = line["error"]
+    if line["status"] != 503 or not isinstance(error, str) or not error.startswith(NO_ENGINE):
+        return []
+    phase = error.removeprefix(NO_ENGINE).split(":", 1)[0]
+    end = line["ts"]
+    start = end - line["duration_s"]
+    if downtime.all_down(phase, start, end, READMIT_GRACE_S):
+        return []
+    up = downtime.accepting_throughout(phase, start, end, READMIT_GRACE_S)
+    return [
+        f"{line['client_request_id']}: 503 {error!r}, but no moment of its "
+        f"{line['duration_s']:.2f} s found every {phase} engine down"
+        + (f" ({', '.join(up)} accepted connections throughout)" if up else "")
+    ]

@@ -1,0 +1,163 @@
+"""The soak's rules: each allows what the router promises and finds what breaks it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.chaos.checks import (
+    READMIT_GRACE_S,
+    check_leaks,
+    check_service,
+    no_engine_problems,
+    status_allowed,
+    unavailable_reason,
+)
+from narwhal.chaos.downtime import Downtime
+
+
+@pytest.mark.parametrize(
+    ("status", "cause"),
+    [
+        (200, None),
+        (499, None),
+        (400, "bad_request"),
+        (404, "bad_request"),
+        (408, "bad_request"),
+        (429, "unavailable"),
+        (503, "unavailable"),
+        (504, "deadline"),
+        (504, "first_token_timeout"),
+        (504, "silence"),
+        (502, "connect"),
+        (502, "descriptor"),
+        (502, "http_status"),
+        (504, "http_status"),
+        (503, "error_object"),
+        (429, "error_object"),
+    ],
+)
+def test_a_status_the_rules_give_its_cause_is_allowed(status: int, cause: str | None) -> None:
+    assert status_allowed(status, cause)
+
+
+@pytest.mark.parametrize(
+    ("status", "cause"),
+    [
+        (500, None),
+        (503, None),
+        (499, "bad_request"),
+        (500, "bad_request"),
+        (502, "unavailable"),
+        (502, "deadline"),
+        (504, "connect"),
+        (500, "closed_early"),
+        (500, "http_status"),
+        (400, "error_object"),
+        (200, "error_object"),
+        (502, "not_a_cause"),
+    ],
+)
+def test_any_other_status_for_a_cause_is_refused(status: int, cause: str | None) -> None:
+    assert not status_allowed(status, cause)
+
+
+STATE: dict[str, Any] = {
+    "in_flight": 0,
+    "queued": 0,
+    "open_engine_legs": 0,
+    "engines": [
+        {
+            "id": "p0",
+            "state": "admitted",
+            "ejection_reason": None,
+            "seats": {"prefill": {"in_use": 0}, "decode": {"in_use": 0}},
+        }
+    ],
+}
+
+
+def test_a_settled_router_has_no_leaks_and_every_engine_in_service() -> None:
+    assert check_leaks(STATE) == [] and check_service(STATE) == []
+
+
+def test_a_held_seat_an_open_leg_or_an_ejected_engine_is_found() -> None:
+    engine = {
+        **STATE["engines"][0],
+        "state": "ejected",
+        "ejection_reason": "3 consecutive failures",
+        "seats": {"prefill": {"in_use": 1}, "decode": {"in_use": 0}},
+    }
+    state = {**STATE, "open_engine_legs": 2, "engines": [engine]}
+    assert check_leaks(state) == ["open_engine_legs = 2", "engine p0 holds 1 prefill seats"]
+    assert check_service(state) == ["engine p0 is ejected: 3 consecutive failures"]
+
+
+def unavailable(error: str, status: int = 503, cause: str = "unavailable") -> dict[str, Any]:
+    return {
+        "client_request_id": "chaos-1-0",
+        "status": status,
+        "cause": cause,
+        "error": error,
+        "ts": 20.0,
+        "duration_s": 0.5,
+    }
+
+
+NO_DECODE = "no engine can decode: none of the 2 is admitted (2 refuse connections)"
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (unavailable("the router's queue is full (32 requests wait)", 429), "queue full"),
+        (unavailable("no seat became free within 1 s"), "no seat within the queue timeout"),
+        (unavailable(NO_DECODE), "no engine can decode"),
+        (unavailable("no engine can prefill: none of the 2 is admitted"), "no engine can prefill"),
+        (unavailable("the router is shutting down; retry shortly"), "shutting down"),
+        (unavailable("the router shut down before this request finished"), "shutting down"),
+        (unavailable("something new"), "other"),
+        (unavailable("engine said so", 503, "error_object"), "an engine's error_object"),
+        ({**unavailable("upstream"), "status": 502, "cause": "connect"}, None),
+    ],
+)
+def test_a_429_or_503_is_filed_under_the_reason_its_error_begins_with(
+    line: dict[str, Any], reason: str | None
+) -> None:
+    assert unavailable_reason(line) == reason
+
+
+def decode_downtime(*spans: tuple[str, float, float]) -> Downtime:
+    downtime = Downtime({"decode": ["d0", "d1"], "prefill": ["p0"]})
+    for engine, down, up in spans:
+        downtime.down(engine, down)
+        downtime.up(engine, up)
+    return downtime
+
+
+def test_a_503_for_lack_of_an_engine_while_every_engine_of_its_phase_was_down_passes() -> None:
+    downtime = decode_downtime(("d0", 19.0, 21.0), ("d1", 19.8, 25.0))
+    assert no_engine_problems(unavailable(NO_DECODE), downtime) == []
+
+
+def test_a_503_for_lack_of_an_engine_while_one_accepted_connections_is_found() -> None:
+    downtime = decode_downtime(("d0", 19.0, 21.0), ("p0", 0.0, 30.0))
+    assert no_engine_problems(unavailable(NO_DECODE), downtime) == [
+        f"chaos-1-0: 503 {NO_DECODE!r}, but no moment of its 0.50 s found every decode "
+        "engine down (d1 accepted connections throughout)"
+    ]
+
+
+def test_a_503_for_lack_of_an_engine_just_after_one_came_back_passes_within_the_grace() -> None:
+    back = 19.5 - READMIT_GRACE_S + 0.1
+    downtime = decode_downtime(("d0", 10.0, back), ("d1", 10.0, 25.0))
+    assert no_engine_problems(unavailable(NO_DECODE), downtime) == []
+    too_long_ago = decode_downtime(("d0", 10.0, back - 0.2), ("d1", 10.0, 25.0))
+    assert len(no_engine_problems(unavailable(NO_DECODE), too_long_ago)) == 1
+
+
+def test_other_503s_are_not_judged_by_engine_downtime() -> None:
+    downtime = decode_downtime()
+    assert no_engine_problems(unavailable("no seat became free within 1 s"), downtime) == []
+    assert no_engine_problems(unavailable(NO_DECODE, 429), downtime) == []
