@@ -52,7 +52,17 @@ The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday,
 Red, orange, yellow, green, blue and violet are the colours of the rainbow.
 """
 
+# A thought of about 100 tokens: more events than a router might hold back before content.
+LONG_THOUGHT = (
+    "one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen, "
+    "fourteen, fifteen, sixteen, seventeen, eighteen, nineteen, twenty, twenty-one, "
+    "twenty-two, twenty-three, twenty-four, twenty-five, twenty-six, twenty-seven, "
+    "twenty-eight, twenty-nine, thirty, thirty-one, thirty-two, thirty-three, thirty-four, "
+    "thirty-five, thirty-six, thirty-seven, thirty-eight, thirty-nine"
+)
+
 DIALOGUES = (
+    ("Think it through slowly.", LONG_THOUGHT, "Done counting."),
     ("Hello", "The user greets me. I greet them back.", "Hello! How can I help you today?"),
     ("What is a narwhal?", "A whale with a tusk.", "A narwhal is a whale with one long tooth."),
     ("Where do narwhals live?", "Cold water, near ice.", "Narwhals live in the cold Arctic sea."),
@@ -97,6 +107,11 @@ def build_tokenizer(texts: list[str]) -> Tokenizer:
         single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
     )
     return tokenizer
+
+
+def pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])
 
 
 def train(model: LlamaForCausalLM, batches: list[torch.Tensor], steps: int) -> float:
@@ -160,9 +175,8 @@ def main() -> None:
         else fast(t)["input_ids"] + [config.eos_token_id]
         for t in texts
     ]
-    width = max(len(e) for e in encoded)
-    rows = [e + [config.pad_token_id] * (width - len(e)) for e in encoded]
-    batches = [torch.tensor(rows[i : i + 8]) for i in range(0, len(rows), 8)]
+    encoded.sort(key=len)  # batches of similar lengths: little padding to compute
+    batches = [pad(encoded[i : i + 8], config.pad_token_id) for i in range(0, len(encoded), 8)]
     loss = train(model, batches, args.steps)
 
     args.out.mkdir(parents=True, exist_ok=True)
