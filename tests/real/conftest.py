@@ -1,0 +1,66 @@
+"""One real fleet for the session: a prefill and a decode vLLM engine, and a router.
+
+The engines take about a minute to start, so every test shares them; they are stopped at
+the end of the session whatever happened. Timings and memory go to the terminal summary.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from narwhal.config import parse_config
+from narwhal.router.app import RouterServer
+from narwhal.vllm_fleet import VllmFleet, VllmOptions
+from real_support import MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON, RealStack
+
+LOG_DIR = ROOT / ".cache" / "real-logs"
+FIGURES: dict[str, str] = {}
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def real() -> AsyncIterator[RealStack]:
+    if not VLLM_PYTHON.exists() or not (TINY_MODEL / ".built").exists():
+        pytest.fail("no .venv-vllm or tiny model: run `make real` (or `make tiny-model` first)")
+    shutil.rmtree(LOG_DIR, ignore_errors=True)
+    options = VllmOptions(
+        python=VLLM_PYTHON,
+        model=TINY_MODEL,
+        served_model_name=MODEL,
+        log_dir=LOG_DIR,
+        extra_args=("--reasoning-parser", REASONING_PARSER),
+    )
+    started = time.monotonic()
+    async with VllmFleet(options, [("p0", "prefill"), ("d0", "decode")]) as fleet:
+        FIGURES["engines started together"] = f"{time.monotonic() - started:.1f} s"
+        for engine in fleet:
+            FIGURES[f"{engine.name} memory (PSS)"] = f"{engine.memory_mib():.0f} MiB"
+        journal_path = LOG_DIR / "journal.jsonl"
+        config = parse_config(
+            {
+                "model": MODEL,
+                "journal": {"path": str(journal_path)},
+                # A CPU engine on a busy 2-core machine: slow first tokens are not faults here.
+                "engine": {"first_token_timeout_s": 60.0, "decode_read_timeout_s": 60.0},
+                "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
+            },
+            source="tests/real",
+        )
+        server = RouterServer(config, port=0)
+        await server.start()
+        try:
+            yield RealStack(fleet, server, journal_path)
+        finally:
+            await server.stop()
+    FIGURES["engine logs"] = str(LOG_DIR)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.write_sep("-", "real vLLM fleet")
+        for name, value in FIGURES.items():
+            terminalreporter.write_line(f"{name}: {value}")

@@ -1,0 +1,68 @@
+"""Support for tests/real: a real router in front of real vLLM engines on the CPU.
+
+`make real` installs `.venv-vllm` and builds the tiny model before these tests run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from openai import AsyncOpenAI
+
+from narwhal.router.app import RouterServer
+from narwhal.vllm_fleet import VllmEngine, VllmFleet
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # not resolved: a venv's python is a link
+TINY_MODEL = ROOT / ".cache" / "tiny-model"
+MODEL = "narwhal-tiny"
+# The tiny model's builder gives chat a DeepSeek-R1 style thought, read by this parser.
+REASONING_PARSER = "deepseek_r1"
+# Engines on a busy 2-core machine: generous client timeouts everywhere.
+CLIENT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RealStack:
+    """A prefill and a decode vLLM engine and a router over them, for the whole session."""
+
+    fleet: VllmFleet
+    server: RouterServer
+    journal_path: Path
+
+    @property
+    def producer(self) -> VllmEngine:
+        return self.fleet["p0"]
+
+    @property
+    def consumer(self) -> VllmEngine:
+        return self.fleet["d0"]
+
+    def openai(self) -> AsyncOpenAI:
+        """The official client, pointed at the router."""
+        return _client(self.server.url)
+
+    def direct(self, engine: VllmEngine) -> AsyncOpenAI:
+        """The official client, pointed at one engine alone (no handoff)."""
+        return _client(engine.url)
+
+
+def _client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
+
+
+async def counter(engine: VllmEngine, name: str, **labels: str) -> float:
+    """One series of an engine's /metrics (0 when absent), e.g. a per-source prompt count."""
+    async with aiohttp.ClientSession() as http, http.get(engine.url + "/metrics") as response:
+        text = await response.text()
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(key) == value for key, value in labels.items()):
+            total += float(match.group(2))
+    return total
