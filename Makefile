@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model real
+.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model real record-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -70,6 +70,10 @@ $(TINY_STAMP): $(VLLM_STAMP) tools/tiny_model.py
 	$(VLLM_VENV)/bin/python tools/tiny_model.py $(TINY_MODEL)
 
 tiny-model: $(TINY_STAMP)
+
+# Record real vLLM's answers to the simulator's fidelity cases (tests/data/vllm), anew.
+record-vllm: $(STAMP) $(TINY_STAMP)
+	$(PY) tests/fidelity.py
 
 # A prefill and a decode vLLM engine on the CPU behind a real router.
 real: $(STAMP) $(TINY_STAMP)

@@ -124,7 +124,6 @@ def test_a_chat_answer_is_vllms_non_streaming_answer_member_for_member() -> None
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": [],
         "reasoning": None,
     }
     choice = {

@@ -264,8 +264,11 @@ async def test_error_after_on_a_non_streaming_request_is_an_error_status(sim: Si
     ("kind", "check"),
     [
         ("missing_engine_id", lambda d: "remote_engine_id" not in d),
-        ("non_integer_block_ids", lambda d: all(isinstance(b, str) for b in d["remote_block_ids"])),
-        ("negative_block_ids", lambda d: all(b < 0 for b in d["remote_block_ids"])),
+        (
+            "non_integer_block_ids",
+            lambda d: all(isinstance(b, str) for b in d["remote_block_ids"][0]),
+        ),
+        ("negative_block_ids", lambda d: all(b < 0 for b in d["remote_block_ids"][0])),
         ("null", lambda d: d is None),
     ],
 )

@@ -47,7 +47,7 @@ async def test_handoff_yields_the_text_the_producer_alone_yields(
     producer, consumer = await sim.start(name="p"), await sim.start(name="d")
     alone = await sim.stream(producer, path, body)
     descriptor = await _prefill(sim, producer, path, body)
-    assert producer.held_block_count() == len(descriptor["remote_block_ids"]) > 0
+    assert producer.held_block_count() == len(_blocks(descriptor)) > 0
     handed_off = await _decode(sim, consumer, path, body, descriptor)
     assert handed_off.done
     assert handed_off.text == alone.text
@@ -65,7 +65,7 @@ async def test_descriptor_names_the_producer_and_its_side_channel(sim: Sim) -> N
     assert descriptor["remote_port"] == producer.side_channel_port
     assert descriptor["tp_size"] == 2
     assert descriptor["remote_request_id"].startswith("cmpl-")
-    assert len(descriptor["remote_block_ids"]) == math.ceil(len(tokenize(PROMPT)) / 16)
+    assert len(_blocks(descriptor)) == math.ceil(len(tokenize(PROMPT)) / 16)
 
 
 async def test_prefill_token_is_the_first_token_of_a_plain_run(sim: Sim) -> None:
@@ -96,8 +96,13 @@ async def test_plain_requests_have_a_null_descriptor_field(sim: Sim) -> None:
     assert answer["kv_transfer_params"] is None
 
 
+def _blocks(descriptor: dict[str, Any]) -> list[int]:
+    """The descriptor's block ids, flattened (it sends one list per KV-cache group)."""
+    return [block for group in descriptor["remote_block_ids"] for block in group]
+
+
 def _tamper_block_id(descriptor: dict[str, Any]) -> dict[str, Any]:
-    return descriptor | {"remote_block_ids": [b + 1 for b in descriptor["remote_block_ids"]]}
+    return descriptor | {"remote_block_ids": [[b + 1 for b in _blocks(descriptor)]]}
 
 
 def _tamper_engine_id(descriptor: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +125,7 @@ async def test_tampered_descriptor_fails_the_stream_with_policy_fail(sim: Sim, t
     assert (error["type"], error["code"], error["param"]) == ("InternalServerError", 500, None)
     assert "KV transfer failed" in error["message"]
     assert stream.done
-    assert producer.held_block_count() == len(descriptor["remote_block_ids"])
+    assert producer.held_block_count() == len(_blocks(descriptor))
     assert consumer.running_count() == 0
 
 
@@ -212,7 +217,7 @@ async def test_blocks_per_kv_cache_group_are_accepted(sim: Sim) -> None:
     producer, consumer = await sim.start(), await sim.start()
     path, body = COMPLETION
     descriptor = await _prefill(sim, producer, path, body)
-    blocks = descriptor["remote_block_ids"]
+    blocks = _blocks(descriptor)
     grouped = descriptor | {"remote_block_ids": [blocks[:1], blocks[1:]]}
     stream = await _decode(sim, consumer, path, body, grouped)
     assert stream.done and stream.text

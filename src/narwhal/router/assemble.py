@@ -71,7 +71,6 @@ _MESSAGE: dict[str, Any] = {
     "annotations": None,
     "audio": None,
     "function_call": None,
-    "tool_calls": [],
 }
 _USAGE: dict[str, Any] = {"prompt_tokens_details": None, "completion_tokens_details": None}
 # Older engines name reasoning `reasoning_content`; only one of the two is filled in.

@@ -542,7 +542,8 @@ class SimEngine:
         descriptor: dict[str, object] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": block_ids,
+            # One list per KV-cache group, as vLLM 0.32 sends them (one group here).
+            "remote_block_ids": [block_ids],
             "remote_engine_id": launch.engine_id,
             "remote_request_id": response_id,
             "remote_host": self.options.resolved_side_channel_host,
@@ -560,9 +561,9 @@ class SimEngine:
         if fault.descriptor == "missing_engine_id":
             del descriptor["remote_engine_id"]
         elif fault.descriptor == "non_integer_block_ids":
-            descriptor["remote_block_ids"] = [str(block_id) for block_id in block_ids]
+            descriptor["remote_block_ids"] = [[str(block_id) for block_id in block_ids]]
         elif fault.descriptor == "negative_block_ids":
-            descriptor["remote_block_ids"] = [-1 - block_id for block_id in block_ids]
+            descriptor["remote_block_ids"] = [[-1 - block_id for block_id in block_ids]]
         return descriptor
 
     # -- faults that act on the whole engine -----------------------------------------------
@@ -679,6 +680,22 @@ class SimEngine:
             "root": self.options.model,
             "parent": None,
             "max_model_len": self.options.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{self._launch.engine_id[:16]}",
+                    "object": "model_permission",
+                    "created": int(self._launch.start_time),
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
         return _json({"object": "list", "data": [model]})
 

@@ -205,7 +205,6 @@ def completion(
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "tool_calls": [],
             reasoning_field: answer.reasoning,
         }
         choice.update(logprobs=None, finish_reason=answer.finish_reason)
