@@ -23,6 +23,8 @@ MODEL = "narwhal-tiny"
 REASONING_PARSER = "deepseek_r1"
 # Engines on a busy 2-core machine: generous client timeouts everywhere.
 CLIENT_TIMEOUT_S = 120.0
+# Measurements worth a line in the session's terminal summary, by name.
+FIGURES: dict[str, str] = {}
 
 
 @dataclass
@@ -48,6 +50,15 @@ class RealStack:
     def direct(self, engine: VllmEngine) -> AsyncOpenAI:
         """The official client, pointed at one engine alone (no handoff)."""
         return _client(engine.url)
+
+    async def engine_state(self, name: str) -> str:
+        """The router's view of one engine: admitted, quarantined, ejected or held."""
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(self.server.url + "/narwhal/state") as response,
+        ):
+            state = await response.json()
+        return str(next(e["state"] for e in state["engines"] if e["id"] == name))
 
 
 def _client(url: str) -> AsyncOpenAI:

@@ -16,10 +16,17 @@ import pytest_asyncio
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
 from narwhal.vllm_fleet import VllmFleet, VllmOptions
-from real_support import MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON, RealStack
+from real_support import (
+    FIGURES,
+    MODEL,
+    REASONING_PARSER,
+    ROOT,
+    TINY_MODEL,
+    VLLM_PYTHON,
+    RealStack,
+)
 
 LOG_DIR = ROOT / ".cache" / "real-logs"
-FIGURES: dict[str, str] = {}
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
