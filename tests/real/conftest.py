@@ -52,7 +52,11 @@ async def real() -> AsyncIterator[RealStack]:
                 "model": MODEL,
                 "journal": {"path": str(journal_path)},
                 # A CPU engine on a busy 2-core machine: slow first tokens are not faults here.
-                "engine": {"first_token_timeout_s": 60.0, "decode_read_timeout_s": 60.0},
+                "engine": {
+                    "first_token_timeout_s": 60.0,
+                    "decode_read_timeout_s": 60.0,
+                    "metrics_interval_s": 0.5,
+                },
                 "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
             },
             source="tests/real",

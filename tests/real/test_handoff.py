@@ -28,17 +28,6 @@ SHORT_THOUGHT = "What is a narwhal?"
 LONG_THOUGHT = "Think it through slowly."
 CHAT_MAX_TOKENS = 160
 
-# Router defects against vLLM 0.32, which names the field `reasoning` (older versions
-# `reasoning_content`, the only name the router knows).
-REASONING_DROPPED = pytest.mark.xfail(
-    strict=True, reason="a non-streaming answer is assembled without `message.reasoning`"
-)
-REASONING_CUT = pytest.mark.xfail(
-    strict=True,
-    reason="`delta.reasoning` does not count as output, so reasoning events past the first "
-    "64 held before the first content are dropped",
-)
-
 
 async def completion_text(client: AsyncOpenAI, prompt: str, stream: bool) -> str:
     if not stream:
@@ -95,10 +84,10 @@ async def test_completion_through_the_router_equals_one_engine_alone(
 @pytest.mark.parametrize(
     ("question", "stream"),
     [
-        pytest.param(SHORT_THOUGHT, False, id="short-whole", marks=REASONING_DROPPED),
+        pytest.param(SHORT_THOUGHT, False, id="short-whole"),
         pytest.param(SHORT_THOUGHT, True, id="short-streamed"),
-        pytest.param(LONG_THOUGHT, False, id="long-whole", marks=REASONING_DROPPED),
-        pytest.param(LONG_THOUGHT, True, id="long-streamed", marks=REASONING_CUT),
+        pytest.param(LONG_THOUGHT, False, id="long-whole"),
+        pytest.param(LONG_THOUGHT, True, id="long-streamed"),
     ],
 )
 async def test_chat_through_the_router_equals_one_engine_alone(
