@@ -227,15 +227,18 @@ def load(out: Path = FIXTURES) -> dict[str, dict[str, Any]]:
 
 
 async def record_fresh_engine() -> dict[str, dict[str, Any]]:
-    """Start a real producer engine as the real-engine suite does, and record it."""
+    """Start a real producer engine as the real-engine suite does (a reasoning parser on),
+    and record it."""
     from narwhal.vllm_fleet import VllmFleet, VllmOptions
-    from real_support import MODEL, ROOT, TINY_MODEL, VLLM_PYTHON
+    from real_support import KV_LEASE_S, MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON
 
     options = VllmOptions(
         python=VLLM_PYTHON,
         model=TINY_MODEL,
         served_model_name=MODEL,
         log_dir=ROOT / ".cache" / "record-logs",
+        extra_args=("--reasoning-parser", REASONING_PARSER),
+        kv_lease_duration_s=KV_LEASE_S,
     )
     async with VllmFleet(options, [("p0", "prefill")]) as fleet:
         return await record(fleet["p0"].url, MODEL)

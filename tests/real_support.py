@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ MODEL = "narwhal-tiny"
 REASONING_PARSER = "deepseek_r1"
 # Engines on a busy 2-core machine: generous client timeouts everywhere.
 CLIENT_TIMEOUT_S = 120.0
+# The engines' KV lease, short so that a test leaving a handoff unpulled waits little: vLLM
+# 0.32 on the CPU was seen to stall a producer's next transfers until such blocks expire.
+KV_LEASE_S = 10
 # Measurements worth a line in the session's terminal summary, by name.
 FIGURES: dict[str, str] = {}
 
@@ -50,6 +54,11 @@ class RealStack:
     def direct(self, engine: VllmEngine) -> AsyncOpenAI:
         """The official client, pointed at one engine alone (no handoff)."""
         return _client(engine.url)
+
+    async def wait_out_lease(self) -> None:
+        """After a handoff left unpulled (a refused or unsent decode): until its blocks are
+        freed, so that the next test's transfers do not wait for them."""
+        await asyncio.sleep(KV_LEASE_S + 1)
 
     async def engine_state(self, name: str) -> str:
         """The router's view of one engine: admitted, quarantined, ejected or held."""

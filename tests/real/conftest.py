@@ -18,6 +18,7 @@ from narwhal.router.app import RouterServer
 from narwhal.vllm_fleet import VllmFleet, VllmOptions
 from real_support import (
     FIGURES,
+    KV_LEASE_S,
     MODEL,
     REASONING_PARSER,
     ROOT,
@@ -40,6 +41,7 @@ async def real() -> AsyncIterator[RealStack]:
         served_model_name=MODEL,
         log_dir=LOG_DIR,
         extra_args=("--reasoning-parser", REASONING_PARSER),
+        kv_lease_duration_s=KV_LEASE_S,
     )
     started = time.monotonic()
     async with VllmFleet(options, [("p0", "prefill"), ("d0", "decode")]) as fleet:
@@ -55,8 +57,13 @@ async def real() -> AsyncIterator[RealStack]:
                 "engine": {
                     "first_token_timeout_s": 60.0,
                     "decode_read_timeout_s": 60.0,
-                    "metrics_interval_s": 0.5,
+                    # Each /metrics read costs a CPU engine's API server real work.
+                    "metrics_interval_s": 2.0,
+                    "kv_lease_s": KV_LEASE_S,
                 },
+                # A prefill that waited past the handoff bound is tried afresh, as a fleet
+                # on a shared CPU needs: the router's retry, not the test's.
+                "serving": {"max_attempts": 2},
                 "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
             },
             source="tests/real",

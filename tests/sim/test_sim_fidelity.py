@@ -1,7 +1,7 @@
 """The simulator answers the fidelity cases in the shapes real vLLM answered them with.
 
 The recordings in `tests/data/vllm/` come from real vLLM (`make record-vllm`); each case is
-sent to a simulated engine set up as the recorded one was (CPU, tiny context), and the two
+sent to a simulated engine set up as the recorded one was (CPU, a reasoning parser), and the two
 answers must agree member by member, event kind by event kind, in status and framing.
 """
 
@@ -24,7 +24,9 @@ MODEL = "narwhal-sim"
 
 @pytest_asyncio.fixture
 async def engine() -> AsyncIterator[SimEngine]:
-    engine = SimEngine(replace(FAST, model=MODEL, device="cpu"))
+    # Recorded with a reasoning parser on, whose tiny model was still thinking when its six
+    # tokens ran out: every chat token is reasoning.
+    engine = SimEngine(replace(FAST, model=MODEL, device="cpu", reasoning_tokens=64))
     await engine.start()
     try:
         yield engine
