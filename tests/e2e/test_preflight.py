@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from narwhal.config import Config, parse_config
 from narwhal.preflight import format_report, run_preflight, transfer_pairs
@@ -178,3 +183,41 @@ async def test_serve_refuses_to_start_when_preflight_fails(tmp_path: Path) -> No
         assert status == 1
         assert "d0" in output and "tp_size: expected 1, got 2" in output
         assert "preflight failed; not serving" in output
+
+
+async def test_serve_starts_with_only_a_short_request_deadline_set(tmp_path: Path) -> None:
+    # Unset timeouts that would exceed the deadline are clamped to it, not refused.
+    async with SimFleet(sim_options("p0", "p1", "d0")) as fleet:
+        path = tmp_path / "fleet.json"
+        data = {**fleet_config(fleet), "serving": {"request_timeout_s": 2.5}}
+        path.write_text(json.dumps(data))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "narwhal",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            status = 0
+            async with aiohttp.ClientSession() as http:
+                for _ in range(300):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(f"http://127.0.0.1:{port}/health") as response:
+                            status = response.status
+                    if status == 200 or process.returncode is not None:
+                        break
+                    await asyncio.sleep(0.1)
+            assert status == 200 and process.returncode is None
+        finally:
+            if process.returncode is None:
+                process.terminate()
+            await asyncio.wait_for(process.wait(), 60)
