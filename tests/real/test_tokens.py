@@ -1,6 +1,7 @@
-"""Every token vLLM generates reaches the client, including those whose text is empty: with
-`ignore_eos`, the end-of-sequence tokens the tiny model keeps producing detokenize to "".
-The router relays the same events, in the same order, with the same texts and token ids."""
+"""Every token vLLM generates reaches the client, including those whose text is empty: a
+prompt that is a whole line of the tiny model's corpus is followed by end-of-sequence, and
+with `ignore_eos` the end-of-sequence tokens it goes on producing detokenize to "", before
+any text. The router relays the same tokens, in the same order, with the same texts."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 BODY = {
     "model": MODEL,
-    "prompt": "The sea is",
-    "max_tokens": 48,
+    "prompt": "Red, orange, yellow, green, blue and violet are the colours of the rainbow.",
+    "max_tokens": 100,
     "temperature": 0,
     "ignore_eos": True,
     "return_token_ids": True,
