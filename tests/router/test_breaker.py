@@ -118,6 +118,8 @@ def test_ejection_never_empties_a_phase_and_one_may_go_while_others_remain(
         (10, 0, 0.0, True),
         (10, 1, 0.0, False),
         (2, 1, 1.0, True),
+        (1, 0, 0.9999999999999999, False),
+        (3, 2, 0.9999999999999999, False),
     ],
 )
 def test_the_cap_table(members: int, ejected: int, fraction: float, allowed: bool) -> None:

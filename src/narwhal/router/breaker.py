@@ -70,6 +70,8 @@ def counts(error: NarwhalError) -> bool:
 def may_eject(members: int, ejected: int, fraction: float) -> bool:
     """Whether one more of a phase's `members` may be ejected while `ejected` already are."""
     allowed = math.floor(fraction * members + 1e-9)
+    if fraction < 1:
+        allowed = min(allowed, members - 1)  # only a cap of 1 may empty a phase
     if members > 1:
         allowed = max(allowed, 1)
     return ejected + 1 <= min(allowed, members)
