@@ -1,7 +1,7 @@
-"""Every token vLLM generates reaches the client, including those whose text is empty: a
-prompt that is a whole line of the tiny model's corpus is followed by end-of-sequence, and
-with `ignore_eos` the end-of-sequence tokens it goes on producing detokenize to "", before
-any text. The router relays the same tokens, in the same order, with the same texts."""
+"""Every token vLLM generates reaches the client, including those whose text is empty: with
+`ignore_eos`, end-of-sequence tokens detokenize to "" and are still tokens. The router
+relays the same tokens, in the same order, with the same texts, however many come before
+any text."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from real_support import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+MAX_TOKENS = 100
 BODY = {
     "model": MODEL,
     "prompt": "Red, orange, yellow, green, blue and violet are the colours of the rainbow.",
-    "max_tokens": 100,
+    "max_tokens": MAX_TOKENS,
     "temperature": 0,
     "ignore_eos": True,
     "return_token_ids": True,
@@ -26,11 +27,17 @@ BODY = {
 }
 
 
-async def token_events(url: str) -> list[dict[str, Any]]:
+# The tiny model's tokenizer numbers its special tokens first: <s> 0, </s> 1, <pad> 2.
+EOS_ID = "1"
+# Only end-of-sequence, a hundred times: a hundred tokens, and not one character of text.
+NOTHING_BUT_EOS = {**BODY, "logit_bias": {EOS_ID: 100}}
+
+
+async def token_events(url: str, body: dict[str, Any] = BODY) -> list[dict[str, Any]]:
     """The choices of a streamed completion's events, in order (usage and [DONE] aside)."""
     async with (
         aiohttp.ClientSession() as http,
-        http.post(url + "/v1/completions", json=BODY) as response,
+        http.post(url + "/v1/completions", json=body) as response,
     ):
         assert response.status == 200
         raw = await response.read()
@@ -55,4 +62,13 @@ async def test_empty_text_tokens_are_relayed_like_every_other(real: RealStack) -
         tid for _, ids in tokens(alone) for tid in ids
     ]
     assert "".join(text for text, _ in tokens(routed)) == "".join(t for t, _ in tokens(alone))
-    assert sum(len(ids) for _, ids in tokens(routed)) == BODY["max_tokens"]
+    assert sum(len(ids) for _, ids in tokens(routed)) == MAX_TOKENS
+
+
+async def test_a_generation_of_only_empty_text_tokens_arrives_whole(real: RealStack) -> None:
+    eos = [int(EOS_ID)] * MAX_TOKENS
+    alone = await token_events(real.producer.url, NOTHING_BUT_EOS)
+    assert [tid for _, ids in tokens(alone) for tid in ids] == eos
+    routed = await token_events(real.server.url, NOTHING_BUT_EOS)
+    assert [tid for _, ids in tokens(routed) for tid in ids] == eos
+    assert all(text == "" for text, _ in tokens(routed))
