@@ -227,3 +227,15 @@ async def engine_state(
             break
         await asyncio.sleep(0.02)
     return entry
+
+
+def hold_readmission(stack: Stack) -> None:
+    """Readmission judges no engine for the rest of the test, so that an ejection stays.
+
+    (With a phase left without an admitted engine, readmission would probe at once.)
+    """
+
+    async def judge_nothing() -> None:
+        return None
+
+    stack.server.router.readmission.tick = judge_nothing  # type: ignore[method-assign]

@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from support import COMPLETION, Stack, StackFactory, arm, engine_state, router_state
+from support import (
+    COMPLETION,
+    Stack,
+    StackFactory,
+    arm,
+    engine_state,
+    hold_readmission,
+    router_state,
+)
 
 # Engine timeouts short enough that timeouts fire quickly; the breaker keeps its defaults.
 QUICK_TIMEOUTS = {
@@ -140,9 +148,9 @@ async def test_a_consumer_refusing_connections_is_used_again_once_it_answers(
 async def test_with_no_cap_an_ejected_last_consumer_serves_by_panic_placement(
     make_stack: StackFactory,
 ) -> None:
-    recovery = {"max_ejected_fraction": 1.0, "readmit_interval_s": 300.0}
-    recovery["urgent_readmit_interval_s"] = 300.0
+    recovery = {"max_ejected_fraction": 1.0}
     async with make_stack(engine=QUICK_TIMEOUTS, recovery=recovery) as stack:
+        hold_readmission(stack)
         await fail_run(stack, "d0", "decode", {"status": 500}, count=3)
         assert (await engine_state(stack, "d0", "ejected"))["state"] == "ejected"
         status, _ = await stack.post("/v1/completions", COMPLETION)
@@ -155,9 +163,9 @@ async def test_with_no_cap_an_ejected_last_consumer_serves_by_panic_placement(
 async def test_with_no_cap_an_ejected_last_producer_leaves_the_consumer_serving_alone(
     make_stack: StackFactory,
 ) -> None:
-    recovery = {"max_ejected_fraction": 1.0, "readmit_interval_s": 300.0}
-    recovery["urgent_readmit_interval_s"] = 300.0
+    recovery = {"max_ejected_fraction": 1.0}
     async with make_stack(engine=QUICK_TIMEOUTS, recovery=recovery) as stack:
+        hold_readmission(stack)
         await fail_run(stack, "p0", "prefill", {"status": 500}, count=3)
         assert (await engine_state(stack, "p0", "ejected"))["state"] == "ejected"
         status, _ = await stack.post("/v1/completions", COMPLETION)

@@ -15,7 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.cli import main
 from narwhal.router.events import configure_logging
-from support import CHAT, COMPLETION, Stack, StackFactory, arm, engine_state, settled
+from support import (
+    CHAT,
+    COMPLETION,
+    Stack,
+    StackFactory,
+    arm,
+    engine_state,
+    hold_readmission,
+    settled,
+)
 
 STREAM = {**COMPLETION, "stream": True}
 TWO_PRODUCERS = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
@@ -334,10 +343,10 @@ async def test_journal_summarize_reports_outcomes_latency_and_engines(
         recovery={
             "eject_after": 1,
             "readmit_interval_s": 60.0,
-            "urgent_readmit_interval_s": 60.0,
             "max_ejected_fraction": 1,
         }
     ) as stack:
+        hold_readmission(stack)
         for _ in range(3):
             assert (await stack.post("/v1/completions", STREAM))[0] == 200
         arm(stack.engine("d0"), phase="decode", status=500, times=1)

@@ -18,6 +18,7 @@ from support import (
     StackFactory,
     arm,
     engine_state,
+    hold_readmission,
     router_state,
     settled,
 )
@@ -25,12 +26,7 @@ from support import (
 STREAM = {**COMPLETION, "stream": True}
 # One engine per phase: the breaker may eject the last of a phase here.
 QUICK = {"eject_after": 2, "readmit_interval_s": 0.1, "max_ejected_fraction": 1.0}
-SLOW = {
-    "eject_after": 2,
-    "readmit_interval_s": 60.0,
-    "urgent_readmit_interval_s": 60.0,
-    "max_ejected_fraction": 1.0,
-}
+SLOW = {"eject_after": 2, "readmit_interval_s": 60.0, "max_ejected_fraction": 1.0}
 
 
 async def fail_decodes(stack: Stack, engine: str, count: int) -> None:
@@ -44,6 +40,7 @@ async def test_consecutive_failures_eject_with_the_reason_visible(
     make_stack: StackFactory,
 ) -> None:
     async with make_stack(recovery=SLOW) as stack:
+        hold_readmission(stack)
         await fail_decodes(stack, "d0", 2)
         d0 = await engine_state(stack, "d0", "ejected")
         assert d0["state"] == "ejected" and d0["streak"] == 2 and d0["ejections"] == 1
