@@ -160,8 +160,9 @@ async def test_no_consumer_that_accepts_connections_is_503_naming_the_phase(
         await stack.engine("d0").crash()
         status, _ = await stack.post("/v1/completions", COMPLETION)
         assert status == 502
-        status, body = await stack.post("/v1/completions", COMPLETION)
-        assert status == 503
+        async with stack.http.post(stack.url + "/v1/completions", json=COMPLETION) as response:
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
+            body = await response.json()
         assert body["error"]["message"] == (
             "no engine can decode: none of the 1 is admitted (1 refuse connections)"
         )
