@@ -101,7 +101,11 @@ async def test_a_producer_refusing_connections_is_ejected_and_the_consumer_serve
         # One leg only, and it carries no descriptor: the consumer computed the prompt.
         (decode,) = list(stack.engine("d0").received)[received:]
         assert "kv_transfer_params" not in decode.body and decode.body["stream"] is True
-        assert (await router_state(stack))["degraded"] is True
+        state = await router_state(stack)
+        assert state["degraded"] is True and state["can_serve"] is True
+        assert state["recent"]["handoffs"] == {"fallback": 1}
+        async with stack.http.get(stack.url + "/metrics") as response:
+            assert 'narwhal_handoffs_total{kind="fallback"} 1.0' in await response.text()
         health = await stack.http.get(stack.url + "/health")
         assert health.status == 200 and (await health.json())["status"] == "degraded"
 

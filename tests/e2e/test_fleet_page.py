@@ -105,6 +105,20 @@ async def test_the_page_shows_the_fleet_and_follows_quarantine_and_ejection(
         await expect(card.locator('[data-field="state"]')).to_have_text("admitted", timeout=LIVE_MS)
 
 
+async def test_the_page_shows_a_fleet_serving_degraded_by_fallback_not_down(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    async with make_stack(recovery={"eject_after": 1}) as stack:
+        await stack.engine("p0").crash()
+        assert (await stack.post("/v1/completions", COMPLETION))[0] == 502
+        assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
+        page = await open_page(browser, stack, "/", 1280, 800)
+        await expect(page.locator("#status")).to_have_text("degraded: 1 of 2 engines out")
+        await expect(page.locator('[data-handoff="fallback"]')).to_have_text("fallback 1")
+        card = page.locator('[data-engine="p0"]')
+        await expect(card.locator('[data-field="state"]')).to_have_text("ejected")
+
+
 async def test_the_page_fits_a_phone_screen(make_stack: StackFactory, browser: Browser) -> None:
     async with make_stack(FOUR) as stack:
         page = await open_page(browser, stack, "/narwhal/", 390, 844)

@@ -88,6 +88,15 @@ def test_recent_calls_keep_only_the_window() -> None:
     assert recent.summary(now=2000.0)["requests"] == 0
 
 
+def test_recent_calls_count_how_requests_were_served_within_the_window() -> None:
+    recent = RecentCalls(window_s=60.0, bucket_s=10.0)
+    recent.add(call(200, handoff="fallback"), now=1000.0)
+    recent.add(call(200, handoff="crossed"), now=1100.0)
+    recent.add(call(200, handoff="fallback"), now=1101.0)
+    recent.add(call(400), now=1102.0)  # refused before placement: no handoff
+    assert recent.summary(now=1105.0)["handoffs"] == {"crossed": 1, "fallback": 1}
+
+
 async def test_entering_a_stage_counts_the_time_spent_in_the_one_before() -> None:
     now = asyncio.get_running_loop().time()
     timed = Call("r1", None, Endpoint.COMPLETIONS, arrival=now - 1.0, deadline=now + 10)

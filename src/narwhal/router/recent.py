@@ -26,8 +26,8 @@ class RecentCalls:
     ) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
-        # (bucket number, outcome counts), oldest first.
-        self._buckets: deque[tuple[int, Counter[str]]] = deque(
+        # (bucket number, outcome counts, handoff kinds), oldest first.
+        self._buckets: deque[tuple[int, Counter[str], Counter[str]]] = deque(
             maxlen=math.ceil(window_s / bucket_s) + 1
         )
         # (end time, ttft_s, first_byte_s) of requests that reached those points.
@@ -36,19 +36,26 @@ class RecentCalls:
     def add(self, call: Call, now: float) -> None:
         number = int(now // self.bucket_s)
         if not self._buckets or self._buckets[-1][0] != number:
-            self._buckets.append((number, Counter()))
+            self._buckets.append((number, Counter(), Counter()))
         self._buckets[-1][1][call.outcome] += 1
+        if call.handoff is not None:
+            self._buckets[-1][2][call.handoff] += 1
         if call.ttft_s is not None:
             self._samples.append((now, call.ttft_s, call.first_byte_s))
 
     def summary(self, now: float) -> dict[str, Any]:
-        """Rate, outcomes, ttft and first-byte percentiles, and a per-bucket series."""
+        """Rate, outcomes, handoff kinds, ttft and first-byte percentiles, and a per-bucket
+        series."""
         current = int(now // self.bucket_s)
         first = current - math.ceil(self.window_s / self.bucket_s) + 1
-        counts = {number: outcomes for number, outcomes in self._buckets if number >= first}
+        counts = {number: outcomes for number, outcomes, _ in self._buckets if number >= first}
         outcomes: Counter[str] = Counter()
         for bucket in counts.values():
             outcomes.update(bucket)
+        handoffs: Counter[str] = Counter()
+        for number, _, kinds in self._buckets:
+            if number >= first:
+                handoffs.update(kinds)
         total = sum(outcomes.values())
         # The rate covers the time since the window's first request, at least one bucket.
         oldest = min(counts, default=current) * self.bucket_s
@@ -61,6 +68,8 @@ class RecentCalls:
             "requests": total,
             "rate_per_s": round(total / span, 3),
             "outcomes": dict(outcomes),
+            # How requests were served: crossed, recomputed, same_worker, fallback.
+            "handoffs": dict(handoffs),
             "ttft_s": percentiles([s[1] for s in samples if s[1] is not None]),
             "first_byte_s": percentiles([s[2] for s in samples if s[2] is not None]),
             "series": [

@@ -25,6 +25,8 @@ def snapshot(router: Router) -> dict[str, Any]:
         "open_engine_legs": router.client.open_legs,
         # A phase with no admitted engine: requests go by aggregate fallback or panic.
         "degraded": router.fleet.degraded(),
+        # Whether a request could be placed at all (`/health` says the same).
+        "can_serve": router.fleet.can_serve(),
         "engine_contract": (
             router.config.engine_contract.pinned() if router.config.engine_contract else None
         ),

@@ -30,12 +30,12 @@ function seconds(value) {
   return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
 }
 
-function serving(engines) {
-  const admitted = engines.filter((e) => e.state === "admitted");
-  const prefill = admitted.some((e) => e.role !== "decode");
-  const decode = admitted.some((e) => e.role !== "prefill");
-  if (!prefill || !decode) return "down";
-  return admitted.length === engines.length ? "serving" : "degraded";
+// The router's own view: down only when no request can be placed; a phase without an
+// admitted engine is still served (aggregate fallback, panic placement), degraded.
+function serving(state) {
+  if (state.can_serve === false) return "down";
+  const out = state.engines.some((e) => e.state !== "admitted");
+  return state.degraded || out ? "degraded" : "serving";
 }
 
 function recentFailures(state, now) {
@@ -54,6 +54,10 @@ function renderRecent(recent) {
     ),
   );
   if (!outcomes.children.length) outcomes.append(el("span", { class: "muted" }, "no requests yet"));
+  const handoffs = Object.entries(recent.handoffs || {});
+  document.getElementById("handoffs").replaceChildren(
+    ...handoffs.map(([kind, n]) => el("span", { class: "outcome", "data-handoff": kind }, `${kind.replace("_", " ")} ${n}`)),
+  );
   const peak = Math.max(1, ...recent.series.map((b) => OUTCOMES.reduce((n, o) => n + (b[o] || 0), 0)));
   document.getElementById("chart").replaceChildren(
     ...recent.series.map((bucket) =>
@@ -165,7 +169,7 @@ function render(state) {
   if (state.recent) renderRecent(state.recent);
   document.getElementById("engines").replaceChildren(...state.engines.map((e) => engineCard(e, before)));
   const status = document.getElementById("status");
-  const word = serving(state.engines);
+  const word = serving(state);
   status.dataset.status = word;
   const down = state.engines.filter((e) => e.state !== "admitted").length;
   status.textContent = word === "serving" ? "serving" : `${word}: ${down} of ${state.engines.length} engines out`;
