@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from openai import AsyncOpenAI
@@ -24,9 +26,11 @@ MODEL = "narwhal-tiny"
 REASONING_PARSER = "deepseek_r1"
 # Engines on a busy 2-core machine: generous client timeouts everywhere.
 CLIENT_TIMEOUT_S = 120.0
-# The engines' KV lease, short so that a test leaving a handoff unpulled waits little: vLLM
-# 0.32 on the CPU was seen to stall a producer's next transfers until such blocks expire.
-KV_LEASE_S = 10
+# The engines' KV lease, short so that a test leaving a handoff unpulled waits little (vLLM
+# 0.32 on the CPU was seen to stall a producer's next transfers until such blocks expire),
+# yet long enough that a prefill slowed by a busy machine still hands over: the router's
+# bound is five sixths of it, and prefills of several seconds were seen under load.
+KV_LEASE_S = 20
 # Measurements worth a line in the session's terminal summary, by name.
 FIGURES: dict[str, str] = {}
 
@@ -59,6 +63,17 @@ class RealStack:
         """After a handoff left unpulled (a refused or unsent decode): until its blocks are
         freed, so that the next test's transfers do not wait for them."""
         await asyncio.sleep(KV_LEASE_S + 1)
+
+    async def journal_entry(self, client_request_id: str) -> dict[str, Any]:
+        """The router's journal line for the request sent with this X-Request-Id (the
+        journal is written by a thread, so the line may land a moment after the answer)."""
+        for _ in range(100):
+            for line in self.journal_path.read_text().splitlines():
+                entry: dict[str, Any] = json.loads(line)
+                if entry.get("client_request_id") == client_request_id:
+                    return entry
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no journal line for request {client_request_id}")
 
     async def engine_state(self, name: str) -> str:
         """The router's view of one engine: admitted, quarantined, ejected or held."""

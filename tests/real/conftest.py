@@ -6,6 +6,7 @@ the end of the session whatever happened. Timings and memory go to the terminal 
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -82,3 +83,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "real vLLM fleet")
         for name, value in FIGURES.items():
             terminalreporter.write_line(f"{name}: {value}")
+    journal = LOG_DIR / "journal.jsonl"
+    if terminalreporter.stats.get("failed") and journal.exists():
+        # What the router saw go differently, so that a failure on a machine whose logs
+        # are gone can still be explained: retries, fallbacks, errors, engine events.
+        terminalreporter.write_sep("-", "router journal: the unusual lines")
+        for line in journal.read_text().splitlines()[-400:]:
+            entry = json.loads(line)
+            usual = (
+                entry.get("type") == "request"
+                and entry.get("outcome") == "ok"
+                and entry.get("attempts") == 1
+                and entry.get("handoff") == "crossed"
+            )
+            if not usual:
+                terminalreporter.write_line(line[:600])

@@ -3,6 +3,8 @@ another) answers exactly what one engine alone answers, greedy, streamed or not.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -29,15 +31,23 @@ LONG_THOUGHT = "Think it through slowly."
 CHAT_MAX_TOKENS = 160
 
 
-async def completion_text(client: AsyncOpenAI, prompt: str, stream: bool) -> str:
+async def completion_text(
+    client: AsyncOpenAI, prompt: str, stream: bool, request_id: str | None = None
+) -> str:
+    headers = {"X-Request-Id": request_id} if request_id else None
     if not stream:
         answer = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_headers=headers
         )
         return answer.choices[0].text
     pieces: list[str] = []
     async for chunk in await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_headers=headers,
     ):
         pieces.extend(choice.text for choice in chunk.choices)
     return "".join(pieces)
@@ -71,10 +81,13 @@ async def test_completion_through_the_router_equals_one_engine_alone(
     pulled = await counter(
         real.consumer, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    routed = await completion_text(real.openai(), prompt, stream)
+    request_id = f"handoff-{uuid.uuid4().hex}"
+    routed = await completion_text(real.openai(), prompt, stream, request_id)
     alone = await completion_text(real.direct(real.producer), prompt, stream=False)
     assert routed == alone
     assert routed.strip(), "the tiny model answers with words from its corpus"
+    entry = await real.journal_entry(request_id)
+    assert (entry["handoff"], entry["attempts"]) == ("crossed", 1), entry["failures"]
     after = await counter(
         real.consumer, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
