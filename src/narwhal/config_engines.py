@@ -105,6 +105,11 @@ def parse_engine_patch(raw: object, source: str = "body") -> EnginePatch:
     )
 
 
+def same_engine_url(a: str, b: str) -> bool:
+    """Whether two engine urls name one engine (scheme, host and port, default ports too)."""
+    return _address(a) == _address(b)
+
+
 def problem_path(error: ConfigError) -> str | None:
     """The key path of the first problem (`url`, `kv_hosts[0]`), or None for the whole body."""
     head, sep, _ = error.problems[0].partition(": ")

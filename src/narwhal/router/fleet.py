@@ -274,7 +274,8 @@ class Fleet:
         """No new work for the engine; `drained` is emitted once its seats are free."""
         engine.draining = True
         self._draining.add(engine)
-        self._note_drained()
+        # Waiters that only this engine could serve learn so now, not at their timeout.
+        self.seat_freed()
 
     def undrain(self, engine: Engine) -> None:
         """Back into placement (unless it is also ejected); waiters may take its seats."""

@@ -36,8 +36,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from narwhal.config import Config, ConfigError, EngineSpec, _address, load_config
-from narwhal.config_engines import parse_engine_entry, parse_engine_patch, problem_path
+from narwhal.config import Config, ConfigError, EngineSpec, load_config
+from narwhal.config_engines import (
+    parse_engine_entry,
+    parse_engine_patch,
+    problem_path,
+    same_engine_url,
+)
 from narwhal.router.fleet import Engine, EngineEvent, EngineState, Fleet, Phase
 from narwhal.router.reconfigure import IN_PLACE, Plan, plan
 
@@ -268,7 +273,7 @@ class FleetOperations:
         if spec.id in self.fleet.by_id:
             raise OperationError(409, f"engine {spec.id!r} is already in the fleet", param="id")
         for other in self.fleet.engines:
-            if _same_address(other.url, spec.url):
+            if same_engine_url(other.url, spec.url):
                 raise OperationError(
                     409, f"engine {other.id} already has url {spec.url}", param="url"
                 )
@@ -322,10 +327,6 @@ class FleetOperations:
 
 def _serves(spec: EngineSpec, phase: Phase) -> bool:
     return spec.role.can_prefill if phase is Phase.PREFILL else spec.role.can_decode
-
-
-def _same_address(a: str, b: str) -> bool:
-    return _address(a) == _address(b)
 
 
 def _now() -> float:
