@@ -61,7 +61,9 @@ class Stack:
         lines: list[dict[str, Any]] = []
         for _ in range(200):
             if self.journal_path.exists():
-                lines = [orjson.loads(line) for line in self.journal_path.read_bytes().splitlines()]
+                # The writer may be mid-line: only lines it has ended are read.
+                complete = self.journal_path.read_bytes().split(b"\n")[:-1]
+                lines = [orjson.loads(line) for line in complete]
                 lines = [line for line in lines if kind is None or line["type"] == kind]
                 if len(lines) >= expect:
                     break

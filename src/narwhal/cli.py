@@ -22,6 +22,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_log_format(serve)
 
+    reload = sub.add_parser(
+        "reload", help="make a running router re-read its config file (as SIGHUP does)"
+    )
+    reload.add_argument(
+        "--config",
+        required=True,
+        type=Path,
+        help="the router's FLEET file: checked here; gives the router's address and admin key",
+    )
+    reload.add_argument(
+        "--url", help="the router, e.g. http://10.0.0.2:8000 (default: from --config)"
+    )
+
     check = sub.add_parser("check", help="preflight: engine contract and KV transfers")
     check.add_argument("--config", required=True, type=Path, help="FLEET.toml or FLEET.json")
     check.add_argument("--mesh", action="store_true", help="probe every ordered engine pair")
@@ -155,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
             concurrency=args.concurrency,
         )
         sys.exit(runtime.run(chaos_command(options)))
+    if args.command == "reload":
+        from narwhal.reload import reload_command
+
+        sys.exit(runtime.run(reload_command(args.config, args.url)))
     if args.command == "check":
         from narwhal.preflight import check_command
 

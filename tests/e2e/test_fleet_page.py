@@ -7,9 +7,10 @@ import shutil
 from collections.abc import AsyncIterator
 
 import pytest
-from playwright.async_api import Browser, Error, Page, async_playwright, expect
+from playwright.async_api import Browser, Dialog, Error, Page, async_playwright, expect
 
 from narwhal.router.page import ASSET_TYPES
+from narwhal.secrets import Secrets
 from support import COMPLETION, Stack, StackFactory, arm
 
 FOUR = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
@@ -148,3 +149,51 @@ async def test_the_page_and_its_assets_come_from_the_router_alone(
     for body in bodies:
         assert not re.search(r"(src|href)=\"https?:", body)
         assert "cdn" not in body.lower()
+
+
+async def dismiss(dialog: Dialog) -> None:
+    await dialog.dismiss()
+
+
+async def test_drain_and_readmit_buttons_use_the_admin_key_the_page_asked_for(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    key = "sk-admin-4444444444"
+    async with make_stack(FOUR, secrets=Secrets(admin_keys=(key.encode(),))) as stack:
+        page = await browser.new_page(viewport={"width": 1280, "height": 800})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        asked: list[str] = []
+
+        async def answer(dialog: Dialog) -> None:
+            asked.append(dialog.type)
+            await dialog.accept(key if dialog.type == "prompt" else None)
+
+        page.on("dialog", answer)
+        await page.goto(stack.url + "/")
+        card = page.locator('[data-engine="d1"]')
+        await expect(card.locator('[data-field="state"]')).to_have_text("admitted", timeout=LIVE_MS)
+        assert asked == ["prompt"]
+
+        await card.locator('[data-action="drain"]').click()
+        await expect(card.locator('[data-field="state"]')).to_have_text("drained", timeout=LIVE_MS)
+        await expect(page.locator("#notice")).to_contain_text("drain d1: now drained")
+        assert stack.server.router.fleet.by_id["d1"].draining
+        # Drained on purpose is not out of service.
+        await expect(page.locator("#status")).to_have_text("serving", timeout=LIVE_MS)
+
+        # The last decode engine: refused at the floor, then forced on the operator's word.
+        d0 = page.locator('[data-engine="d0"]')
+        page.remove_listener("dialog", answer)
+        page.once("dialog", dismiss)
+        await d0.locator('[data-action="drain"]').click()
+        await expect(page.locator("#notice")).to_contain_text("drain d0 refused")
+        await expect(page.locator("#notice")).to_contain_text("no admitted engine to decode")
+        assert not stack.server.router.fleet.by_id["d0"].draining
+
+        await card.locator('[data-action="readmit"]').click()
+        await expect(card.locator('[data-field="state"]')).to_have_text("admitted", timeout=LIVE_MS)
+        await expect(page.locator("#notice")).to_contain_text("readmit d1: now admitted")
+        events = [line["event"] for line in await stack.journal(3, kind="engine")]
+        assert events == ["draining", "drained", "readmitted"]
+        assert errors == []

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -14,6 +15,7 @@ from aiohttp.typedefs import Middleware
 from narwhal.config import Config
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.admin import add_admin_routes
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
 from narwhal.secrets import Secrets, bearer_allowed
@@ -125,6 +127,7 @@ def build_app(router: Router, secrets: Secrets) -> web.Application:
     app.router.add_get("/narwhal/state", state)
     app.router.add_get("/metrics", metrics)
     add_page_routes(app)
+    add_admin_routes(app, router.operations)
     app.cleanup_ctx.append(lifespan)
     return app
 
@@ -139,9 +142,11 @@ class RouterServer:
         port: int | None = None,
         *,
         secrets: Secrets | None = None,
+        config_path: Path | None = None,
     ) -> None:
+        """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads."""
         self.secrets = secrets or Secrets()
-        self.router = Router(config, self.secrets)
+        self.router = Router(config, self.secrets, config_path)
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port
         self._runner: web.AppRunner | None = None
@@ -193,3 +198,10 @@ def stop_signal() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def reload_signal(server: RouterServer) -> None:
+    """SIGHUP re-reads the config file and applies its engine list (see `operations`)."""
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, server.router.operations.reload_and_log
+    )

@@ -37,6 +37,10 @@ engine keeps its streak and is counted (`spared`); its next success resets both.
 phase still have no admitted engine (every engine refused connections, quarantine, or
 `max_ejected_fraction = 1`), placement degrades instead of refusing (see `fleet`):
 aggregate fallback for prefill, panic placement for decode.
+
+An engine an operator drained is out of the count (it is neither a member of its phases
+nor ejected) and is never ejected: it takes no new work either way. Its streak still
+counts, so a broken engine readmitted by hand is ejected at its next failure.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Breaker:
         engine.streak += 1
         # Any other failure means the engine took the connection.
         engine.refusing = error.cause is Cause.CONNECT
-        if engine.ejected or engine.streak < self.eject_after:
+        if engine.ejected or engine.draining or engine.streak < self.eject_after:
             return False
         if not engine.refusing and (phase := self._would_empty(engine)) is not None:
             if not engine.spared:
@@ -128,7 +132,7 @@ class Breaker:
         for phase in Phase:
             if not engine.serves(phase):
                 continue
-            members = [e for e in self.fleet.engines if e.serves(phase)]
+            members = [e for e in self.fleet.engines if e.serves(phase) and not e.draining]
             ejected = sum(e.ejected for e in members)
             if not may_eject(len(members), ejected, self.max_ejected_fraction):
                 return phase

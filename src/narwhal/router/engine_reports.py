@@ -67,6 +67,9 @@ class EngineReports:
             await asyncio.sleep(self.interval_s)
 
     async def poll_all(self) -> None:
+        # An engine removed at runtime leaves no window behind for one re-added under its id.
+        for gone in self._windows.keys() - self.fleet.by_id.keys():
+            del self._windows[gone]
         await asyncio.gather(*(self.poll(engine) for engine in self.fleet.engines))
 
     async def poll(self, engine: Engine) -> None:

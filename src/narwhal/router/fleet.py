@@ -15,6 +15,11 @@ Placement degrades rather than refuse while any engine accepts connections:
 | no consumer                      | panic: decode on a non-admitted decode engine that    |
 |                                  |   does not refuse connections and met its contract    |
 | none of those                    | 503 naming why, with Retry-After                      |
+
+An operator may drain an engine (see `operations`): it gets no new work of any kind, not
+even panic placement or a readmission probe's partner leg, while the requests holding its
+seats finish there; its state is `draining` until its last seat is released (an event,
+`drained`), then `drained`. Engines may also be added, changed and removed at runtime.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class EngineState(StrEnum):
     EJECTED = "ejected"
     # Passed readmission; waits for the rest of its restart wave.
     HELD = "held"
+    # Drained by an operator: no new work; requests already there still hold seats.
+    DRAINING = "draining"
+    # Drained by an operator and idle: may be deleted.
+    DRAINED = "drained"
 
 
 class Phase(StrEnum):
@@ -83,6 +92,12 @@ class Engine:
     panics: int = 0
     # Readmission probes by result: "success", "failure", "inconclusive".
     probes: dict[str, int] = field(default_factory=dict)
+    # An operator drained it (cleared only by an operator's readmit).
+    draining: bool = False
+    # Delete it once drained (a reload dropped it from the config file).
+    remove_when_drained: bool = False
+    # Stored for a role controller: its role is the operator's to choose.
+    pinned: bool = False
 
     @property
     def id(self) -> str:
@@ -93,6 +108,8 @@ class Engine:
         return self.spec.url
 
     def state(self, now: float) -> EngineState:
+        if self.draining:
+            return EngineState.DRAINING if self.busy() else EngineState.DRAINED
         if self.ejected:
             return EngineState.HELD if self.held else EngineState.EJECTED
         if now < self.quarantined_until:
@@ -102,6 +119,10 @@ class Engine:
     def serves(self, phase: Phase) -> bool:
         role = self.spec.role
         return role.can_prefill if phase is Phase.PREFILL else role.can_decode
+
+    def busy(self) -> bool:
+        """Whether any request holds one of its seats."""
+        return bool(self.prefill_seats or self.decode_seats)
 
     def has_seat(self, phase: Phase) -> bool:
         if phase is Phase.PREFILL:
@@ -127,7 +148,8 @@ def _fraction(used: int, limit: int) -> float:
 class EngineEvent:
     """A change in an engine's standing, for the journal, metrics and logs."""
 
-    # "quarantined", "ejected", "spared", "probe", "readmitted", "silent_recompute"
+    # "quarantined", "ejected", "spared", "probe", "readmitted", "silent_recompute";
+    # operators' changes: "added", "changed", "draining", "drained", "removed"
     kind: str
     engine: str
     detail: str = ""
@@ -202,6 +224,8 @@ class Fleet:
         self._rng = rng or random.Random()
         self._waking = False
         self.listeners: list[EventListener] = []
+        # Draining engines whose `drained` event is still to come.
+        self._draining: set[Engine] = set()
 
     def emit(self, event: EngineEvent) -> None:
         for listener in self.listeners:
@@ -229,6 +253,41 @@ class Fleet:
         engine.quarantined_until = max(engine.quarantined_until, _now() + seconds)
         engine.quarantines += 1
         self.emit(EngineEvent("quarantined", engine.id, f"{seconds:g} s after {reason}"))
+
+    # Runtime changes (the checks and the journal's wording live in `operations`) -----
+
+    def add(self, spec: EngineSpec) -> Engine:
+        """A new engine, admitted at once; waiters may take its seats."""
+        engine = Engine(spec)
+        self.engines.append(engine)
+        self.by_id[engine.id] = engine
+        self.seat_freed()
+        return engine
+
+    def remove(self, engine: Engine) -> None:
+        """Forget an engine; the caller made sure no request holds its seats."""
+        self.engines.remove(engine)
+        del self.by_id[engine.id]
+        self._draining.discard(engine)
+
+    def drain(self, engine: Engine) -> None:
+        """No new work for the engine; `drained` is emitted once its seats are free."""
+        engine.draining = True
+        self._draining.add(engine)
+        # Waiters that only this engine could serve learn so now, not at their timeout.
+        self.seat_freed()
+
+    def undrain(self, engine: Engine) -> None:
+        """Back into placement (unless it is also ejected); waiters may take its seats."""
+        engine.draining = False
+        engine.remove_when_drained = False
+        self._draining.discard(engine)
+        self.seat_freed()
+
+    def _note_drained(self) -> None:
+        for engine in [e for e in self._draining if not e.busy()]:
+            self._draining.discard(engine)
+            self.emit(EngineEvent("drained", engine.id, "its last request finished"))
 
     # Placement ---------------------------------------------------------------------
 
@@ -284,6 +343,7 @@ class Fleet:
             for e in self.engines
             if e.serves(phase)
             and e.state(now) is not EngineState.ADMITTED
+            and not e.draining
             and not e.refusing
             and not e.mismatched
         ]
@@ -292,8 +352,10 @@ class Fleet:
         members = [e for e in self.engines if e.serves(phase)]
         refusing = sum(e.refusing for e in members)
         mismatched = sum(e.mismatched for e in members)
+        drained = sum(e.draining for e in members)
         why = [f"{refusing} refuse connections"] if refusing else []
         why += [f"{mismatched} break the engine contract"] if mismatched else []
+        why += [f"{drained} drained by an operator"] if drained else []
         return NarwhalError(
             503,
             f"no engine can {phase.value}: none of the {len(members)} is admitted"
@@ -359,6 +421,8 @@ class Fleet:
 
     def seat_freed(self) -> None:
         """Grant seats to waiters in arrival order; the head blocks those behind it."""
+        if self._draining:
+            self._note_drained()
         if self._waking:
             return
         self._waking = True

@@ -31,6 +31,7 @@ from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Reservation
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
+from narwhal.router.operations import FleetOperations
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.state import snapshot
@@ -59,7 +60,11 @@ def shut_down() -> NarwhalError:
 class Router:
     """Everything a request needs, built once from the configuration."""
 
-    def __init__(self, config: Config, secrets: Secrets | None = None) -> None:
+    def __init__(
+        self, config: Config, secrets: Secrets | None = None, config_path: Path | None = None
+    ) -> None:
+        # The configuration the router started with; the engine list lives in `fleet`, which
+        # operators change at runtime (`operations`, re-reading `config_path` on reload).
         self.config = config
         self.fleet = Fleet(
             config.engines,
@@ -92,6 +97,8 @@ class Router:
         # After its journal line, each request feeds the fleet page, metrics and logs.
         self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
+        # After the journal's listener, so that an engine's `drained` precedes its `removed`.
+        self.operations = FleetOperations(self.fleet, config, config_path)
 
     async def start(self) -> None:
         await self.client.__aenter__()

@@ -23,6 +23,9 @@ joins it. A member that passes readmission is held (state `held`) until every me
 passed; then all re-enter placement at once and the wave closes. So that one dead member
 cannot keep the fleet out of service, held members are released early whenever a phase
 they serve has no admitted engine left.
+
+An engine an operator drained is never judged, never a probe's partner and leaves any wave
+it was in: only an operator's readmit ends a drain (see `operations`).
 """
 
 from __future__ import annotations
@@ -73,12 +76,28 @@ class Readmission:
         fleet.listeners.append(self._on_event)
 
     def _on_event(self, event: EngineEvent) -> None:
+        if event.kind in ("draining", "removed"):
+            self._leave_wave(event.engine)
+            return
         if event.kind != "ejected":
             return
         if self.whole_wave:
             self.wave.add(event.engine)
         if self.urgent():
             self._wake.set()
+
+    def _leave_wave(self, engine_id: str) -> None:
+        """A drained or removed engine no longer holds its wave back, nor is held by it."""
+        self.wave.discard(engine_id)
+        self.passed.discard(engine_id)
+        engine = self.fleet.by_id.get(engine_id)
+        if engine is not None:
+            engine.held = False
+        if self.wave and self.passed >= self.wave:
+            for member in sorted(self.wave):
+                self._readmit(self.fleet.by_id[member])
+            self.wave.clear()
+            self.passed.clear()
 
     async def run(self) -> None:
         """The readmission timer; runs until cancelled."""
@@ -94,7 +113,7 @@ class Readmission:
 
     def urgent(self) -> bool:
         """Whether a phase has no admitted engine while an ejected engine could serve it."""
-        ejected = [e for e in self.fleet.engines if e.ejected]
+        ejected = [e for e in self.fleet.engines if e.ejected and not e.draining]
         return any(
             not self.fleet.admitted(phase) and any(e.serves(phase) for e in ejected)
             for phase in Phase
@@ -102,7 +121,7 @@ class Readmission:
 
     async def tick(self) -> None:
         """Judge every ejected engine that is not already held, concurrently."""
-        engines = [e for e in self.fleet.engines if e.ejected and not e.held]
+        engines = [e for e in self.fleet.engines if e.ejected and not e.held and not e.draining]
         if engines:
             async with asyncio.TaskGroup() as group:
                 for engine in engines:
@@ -118,6 +137,8 @@ class Readmission:
             verdict = Verdict(INCONCLUSIVE, f"probe could not run: {type(exc).__name__}: {exc}")
         engine.probes[verdict.result] = engine.probes.get(verdict.result, 0) + 1
         self.fleet.emit(EngineEvent("probe", engine.id, verdict.detail, verdict.result))
+        if engine.draining or engine.id not in self.fleet.by_id:
+            return  # drained or removed while its probe ran: only an operator brings it back
         if verdict.result == SUCCESS:
             self._passed(engine)
         elif verdict.result == FAILURE and verdict.detail.startswith("contract"):
@@ -207,7 +228,9 @@ class Readmission:
     def _partners(self, phase: Phase, engine: Engine) -> list[Engine]:
         """Admitted engines serving `phase`, or, when there are none, the ejected ones."""
         admitted = self.fleet.admitted(phase)
-        return admitted or [e for e in self.fleet.engines if e.serves(phase) and e is not engine]
+        return admitted or [
+            e for e in self.fleet.engines if e.serves(phase) and e is not engine and not e.draining
+        ]
 
     def _passed(self, engine: Engine) -> None:
         if not self.whole_wave or engine.id not in self.wave:

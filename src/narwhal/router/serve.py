@@ -1,4 +1,8 @@
-"""`narwhal serve`: load and validate the fleet config, then serve until a signal."""
+"""`narwhal serve`: load and validate the fleet config, then serve until a signal.
+
+SIGTERM and SIGINT drain and stop; SIGHUP re-reads the config file and applies its engine
+list (`router.operations`); `narwhal reload` asks for the same over the admin API.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 
 from narwhal.config import ConfigError, load_config
 from narwhal.preflight import format_report, run_preflight
-from narwhal.router.app import RouterServer, stop_signal
+from narwhal.router.app import RouterServer, reload_signal, stop_signal
 from narwhal.secrets import SecretsError, load_secrets
 
 
@@ -32,7 +36,8 @@ async def run_serve(
             print("preflight failed; not serving (--skip-preflight overrides)", file=sys.stderr)
             return 1
     stopping = stop_signal()
-    server = RouterServer(config, host, port, secrets=secrets)
+    server = RouterServer(config, host, port, secrets=secrets, config_path=path)
+    reload_signal(server)
     await server.start()
     print(
         f"narwhal serving {config.model} on {server.url} over {len(config.engines)} engines",

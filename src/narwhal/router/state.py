@@ -37,36 +37,42 @@ def snapshot(router: Router) -> dict[str, Any]:
             "denied": router.budget.denied,
         },
         "recent": router.recent.summary(time.perf_counter()),
-        "engines": [
-            {
-                "id": engine.id,
-                "url": engine.url,
-                "role": engine.spec.role.value,
-                "state": engine.state(now).value,
-                "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
-                "streak": engine.streak,
-                "ejection_reason": engine.ejection_reason if engine.ejected else None,
-                "ejections": engine.ejections,
-                "spared": engine.spares,
-                "panic_placements": engine.panics,
-                "refusing": engine.refusing,
-                "probes": dict(engine.probes),
-                "seats": {
-                    "prefill": {
-                        "in_use": engine.prefill_seats,
-                        "limit": engine.spec.max_prefill_seats,
-                    },
-                    "decode": {
-                        "in_use": engine.decode_seats,
-                        "limit": engine.spec.max_decode_seats,
-                    },
-                },
-                "failures": dict(engine.failures),
-                "reported": _reported(engine),
-                "kv": _kv_use(engine),
-            }
-            for engine in router.fleet.engines
-        ],
+        "engines": [engine_entry(engine, now) for engine in router.fleet.engines],
+    }
+
+
+def engine_entry(engine: Engine, now: float) -> dict[str, Any]:
+    """One engine as `/narwhal/state` and the admin API show it."""
+    return {
+        "id": engine.id,
+        "url": engine.url,
+        "role": engine.spec.role.value,
+        "state": engine.state(now).value,
+        "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
+        "streak": engine.streak,
+        "ejection_reason": engine.ejection_reason if engine.ejected else None,
+        "ejections": engine.ejections,
+        "spared": engine.spares,
+        "panic_placements": engine.panics,
+        "refusing": engine.refusing,
+        "probes": dict(engine.probes),
+        # Set by operators (see `operations`): stored for a role controller, shown here.
+        "pinned": engine.pinned,
+        # A reload dropped it from the config file: deleted once drained.
+        "removing": engine.remove_when_drained,
+        "seats": {
+            "prefill": {
+                "in_use": engine.prefill_seats,
+                "limit": engine.spec.max_prefill_seats,
+            },
+            "decode": {
+                "in_use": engine.decode_seats,
+                "limit": engine.spec.max_decode_seats,
+            },
+        },
+        "failures": dict(engine.failures),
+        "reported": _reported(engine),
+        "kv": _kv_use(engine),
     }
 
 

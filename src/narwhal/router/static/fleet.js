@@ -1,10 +1,13 @@
-// The fleet page: polls /narwhal/state and redraws. No dependencies; every value from the
-// router is inserted as text, never as HTML (ejection reasons quote engine messages).
+// The fleet page: polls /narwhal/state and redraws; drain and readmit buttons call the admin
+// API. No dependencies; every value from the router is inserted as text, never as HTML
+// (ejection reasons quote engine messages).
 "use strict";
 
 const POLL_MS = 1000;
 const RECENT_MS = 5 * 60 * 1000;
 const OUTCOMES = ["ok", "client_error", "timeout", "error", "client_closed"];
+// Taken out by an operator, not by failure: not counted as out of service.
+const DRAINED = ["draining", "drained"];
 // Failure counters seen over the last minutes, to tell recent failures from old ones.
 const history = [];
 
@@ -34,8 +37,11 @@ function seconds(value) {
 // admitted engine is still served (aggregate fallback, panic placement), degraded.
 function serving(state) {
   if (state.can_serve === false) return "down";
-  const out = state.engines.some((e) => e.state !== "admitted");
-  return state.degraded || out ? "degraded" : "serving";
+  return state.degraded || outOfService(state).length ? "degraded" : "serving";
+}
+
+function outOfService(state) {
+  return state.engines.filter((e) => e.state !== "admitted" && !DRAINED.includes(e.state));
 }
 
 function recentFailures(state, now) {
@@ -136,11 +142,14 @@ function engineCard(engine, before) {
         ? el("span", { "data-field": "panic" }, `panic placements ${engine.panic_placements}`)
         : null,
       kvFact(engine.kv),
+      engine.pinned ? el("span", { "data-field": "pinned" }, "pinned") : null,
+      engine.removing ? el("span", { "data-field": "removing" }, "leaving: not in the config file") : null,
       Object.keys(probes).length
         ? el("span", {}, `probes ${Object.entries(probes).map(([k, n]) => `${k} ${n}`).join(", ")}`)
         : null,
     ),
     reason ? el("p", { class: "reason", "data-field": "reason" }, reason) : null,
+    actions(engine),
     failures.length
       ? el(
           "ul",
@@ -159,6 +168,37 @@ function engineCard(engine, before) {
   );
 }
 
+// Drain (no new work; running requests finish) or, once draining or drained, readmit.
+function actions(engine) {
+  const action = DRAINED.includes(engine.state) ? "readmit" : "drain";
+  const button = el("button", { type: "button", "data-action": action }, action);
+  button.addEventListener("click", () => act(engine.id, action, false));
+  return el("div", { class: "actions" }, button);
+}
+
+async function act(id, action, force) {
+  const path = `/narwhal/engines/${encodeURIComponent(id)}/${action}${force ? "?force=true" : ""}`;
+  const response = await fetch(path, { method: "POST", headers: authorization() });
+  const answer = await response.json().catch(() => ({}));
+  if (response.ok) {
+    notice(`${action} ${id}: now ${answer.engine.state}`);
+  } else {
+    const message = (answer.error && answer.error.message) || `HTTP ${response.status}`;
+    // A drain refused at a phase floor may be forced, on the operator's word.
+    if (response.status === 409 && !force && message.includes("force=true") && window.confirm(`${message}\n\nDo it anyway?`)) {
+      return act(id, action, true);
+    }
+    notice(`${action} ${id} refused: ${message}`, true);
+  }
+  await refresh();
+}
+
+function notice(message, refused) {
+  const node = document.getElementById("notice");
+  node.textContent = message;
+  node.dataset.refused = refused ? "true" : "false";
+}
+
 function render(state) {
   const now = Date.now();
   const before = recentFailures(state, now);
@@ -171,17 +211,20 @@ function render(state) {
   const status = document.getElementById("status");
   const word = serving(state);
   status.dataset.status = word;
-  const down = state.engines.filter((e) => e.state !== "admitted").length;
+  const down = outOfService(state).length;
   status.textContent = word === "serving" ? "serving" : `${word}: ${down} of ${state.engines.length} engines out`;
 }
 
 // Routers with admin keys guard /narwhal/state; the key is kept for this tab only.
 let adminKey = sessionStorage.getItem("narwhal-admin-key");
 
-async function poll() {
+function authorization() {
+  return adminKey ? { Authorization: `Bearer ${adminKey}` } : {};
+}
+
+async function refresh() {
   try {
-    const headers = adminKey ? { Authorization: `Bearer ${adminKey}` } : {};
-    const response = await fetch("/narwhal/state", { cache: "no-store", headers });
+    const response = await fetch("/narwhal/state", { cache: "no-store", headers: authorization() });
     if (response.status === 401) {
       adminKey = window.prompt("This router needs its admin key to show the fleet:");
       if (adminKey) sessionStorage.setItem("narwhal-admin-key", adminKey);
@@ -194,9 +237,12 @@ async function poll() {
     const status = document.getElementById("status");
     status.dataset.status = "unreachable";
     status.textContent = `router unreachable (${error.message})`;
-  } finally {
-    setTimeout(poll, POLL_MS);
   }
+}
+
+async function poll() {
+  await refresh();
+  setTimeout(poll, POLL_MS);
 }
 
 poll();
