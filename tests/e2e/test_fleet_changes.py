@@ -177,11 +177,12 @@ async def exercise(
         try:
             await load.more(2 * CLIENTS)
 
-            # Add an engine: it takes decodes.
+            # Add an engine: out until readmission has probed it, then it takes decodes.
             status, body = await admin(
                 "POST", "/narwhal/engines", {"id": "d2", "url": url["d2"], "role": "decode"}
             )
-            assert status == 201 and body["engine"]["state"] == "admitted", body
+            assert status == 201 and body["engine"]["state"] == "ejected", body
+            await until(_is(admin.engine_state, "d2", "admitted"), "d2 probed and admitted")
             await until(lambda: len(received["d2"]) > 0, "requests on the added engine")
 
             # Drain one while requests stream there; delete it once drained.
@@ -281,9 +282,11 @@ def check_journal(journal: Path, log: Path, sent: int) -> None:
         ("drained", "d1"),
         ("removed", "d1"),
         ("added", "d1"),
+        ("readmitted", "d2"),
     ]:
         assert expected in events, (expected, events)
-    # Each engine's own events come in the order of the actions.
+    # Each engine's own events come in the order of the actions; an added engine is probed
+    # before it is admitted.
     d1 = [kind for kind, engine in events if engine == "d1"]
-    assert d1 == ["draining", "drained", "removed", "added"], d1
+    assert d1 == ["draining", "drained", "removed", "added", "probe", "readmitted"], d1
     assert "reloaded" in log.read_text()

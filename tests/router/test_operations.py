@@ -12,9 +12,9 @@ from narwhal.config import Config, EngineSpec, RecoveryConfig, RestartPolicy, Ro
 from narwhal.engines.client import EngineClient
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.breaker import Breaker
-from narwhal.router.fleet import EngineEvent, Fleet, Phase
+from narwhal.router.fleet import NOT_YET_PROBED, Engine, EngineEvent, Fleet, Phase
 from narwhal.router.operations import FleetOperations, OperationError, floor_breach
-from narwhal.router.readmission import Readmission
+from narwhal.router.readmission import FAILURE, SUCCESS, Readmission, Verdict
 
 SPECS = (
     EngineSpec("p0", "http://10.0.0.1:1", Role.PREFILL),
@@ -160,28 +160,70 @@ async def test_delete_needs_a_drained_idle_engine() -> None:
 # Add and patch --------------------------------------------------------------------------
 
 
-async def test_an_added_engine_is_admitted_and_placed_on() -> None:
+class Judge:
+    """Readmission over the fleet, its probe replaced by a verdict kept per engine."""
+
+    def __init__(self, t: Ops, client: EngineClient) -> None:
+        self.readmission = Readmission(t.config, t.fleet, client)
+        self.judged: list[str] = []
+        self.verdict = Verdict(SUCCESS, "probe passed")
+
+        async def judge(engine: Engine) -> Verdict:
+            self.judged.append(engine.id)
+            return self.verdict
+
+        self.readmission.judge = judge  # type: ignore[method-assign]
+
+
+async def test_an_added_engine_is_probed_before_it_is_placed_on() -> None:
     t = Ops((SPECS[0], SPECS[2]))
-    t.ops.add({"id": "d9", "url": "http://10.0.0.9:1", "role": "decode", "max_decode_seats": 1})
-    assert t.state("d9") == "admitted" and t.kinds() == ["added"]
-    assert "decode at http://10.0.0.9:1" in t.events[0].detail
-    t.ops.drain("d0")
-    reservation = t.fleet.try_reserve()
-    assert reservation is not None and reservation.consumer.id == "d9"
+    async with EngineClient() as client:
+        judge = Judge(t, client)
+        t.ops.add({"id": "d9", "url": "http://10.0.0.9:1", "role": "decode"})
+        d9 = t.fleet.by_id["d9"]
+        assert t.state("d9") == "ejected" and d9.ejection_reason == NOT_YET_PROBED
+        assert t.kinds() == ["added"] and "decode at http://10.0.0.9:1" in t.events[0].detail
+        assert judge.readmission._wake.is_set(), "judged at once, not at the next tick"
+        for _ in range(4):
+            reservation = t.fleet.try_reserve()
+            assert reservation is not None and reservation.consumer.id == "d0"
+            reservation.release()
+        await judge.readmission.tick()
+        assert judge.judged == ["d9"] and t.state("d9") == "admitted"
+        assert t.kinds("d9") == ["added", "probe", "readmitted"]
+        t.ops.drain("d0")
+        reservation = t.fleet.try_reserve()
+        assert reservation is not None and reservation.consumer.id == "d9"
 
 
-async def test_an_added_engine_serves_a_waiter() -> None:
+async def test_an_added_engine_that_fails_its_probe_stays_out() -> None:
+    t = Ops((SPECS[0], SPECS[2]))
+    async with EngineClient() as client:
+        judge = Judge(t, client)
+        judge.verdict = Verdict(FAILURE, "/health answered HTTP 404")
+        t.ops.add({"id": "d9", "url": "http://10.0.0.9:1", "role": "decode"})
+        await judge.readmission.tick()
+        assert t.state("d9") == "ejected"
+        refused(409, t.ops.drain, "d0")  # d9 is no other engine in service for decode
+
+
+async def test_an_added_engine_serves_a_waiter_once_probed() -> None:
     t = Ops((SPECS[0], EngineSpec("d0", "http://10.0.0.3:1", Role.DECODE, max_decode_seats=1)))
-    first = t.fleet.try_reserve()
-    assert first is not None
-    waiting = asyncio.create_task(t.fleet.reserve())
-    await asyncio.sleep(0)
-    assert t.fleet.queued == 1
-    t.ops.add({"id": "d9", "url": "http://10.0.0.9:1", "role": "decode"})
-    reservation = await asyncio.wait_for(waiting, 30)
-    assert reservation.consumer.id == "d9"
-    reservation.release()
-    first.release()
+    async with EngineClient() as client:
+        judge = Judge(t, client)
+        first = t.fleet.try_reserve()
+        assert first is not None
+        waiting = asyncio.create_task(t.fleet.reserve())
+        await asyncio.sleep(0)
+        assert t.fleet.queued == 1
+        t.ops.add({"id": "d9", "url": "http://10.0.0.9:1", "role": "decode"})
+        await asyncio.sleep(0)
+        assert not waiting.done(), "no seat on an engine not yet probed"
+        await judge.readmission.tick()
+        reservation = await asyncio.wait_for(waiting, 30)
+        assert reservation.consumer.id == "d9"
+        reservation.release()
+        first.release()
 
 
 async def test_a_bad_or_clashing_engine_is_refused_naming_the_key() -> None:
@@ -322,7 +364,7 @@ async def test_a_reload_adds_changes_and_drains_then_deletes_dropped_engines(
         "removing": ["d1"],
         "restart_required": ["serving"],
     }
-    assert t.state("d9") == "admitted" and t.fleet.by_id["p1"].spec.role is Role.BOTH
+    assert t.state("d9") == "ejected" and t.fleet.by_id["p1"].spec.role is Role.BOTH
     assert t.state("d1") == "draining" and t.fleet.by_id["d1"].remove_when_drained
     busy.decode_seats = 0
     t.fleet.seat_freed()

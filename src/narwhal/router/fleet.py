@@ -36,6 +36,8 @@ from narwhal.config import EngineSpec
 from narwhal.engines.scrape import EngineReport
 from narwhal.protocol.errors import Cause, NarwhalError
 
+NOT_YET_PROBED = "added at runtime: waiting for its first probe"
+
 
 class EngineState(StrEnum):
     ADMITTED = "admitted"
@@ -257,11 +259,12 @@ class Fleet:
     # Runtime changes (the checks and the journal's wording live in `operations`) -----
 
     def add(self, spec: EngineSpec) -> Engine:
-        """A new engine, admitted at once; waiters may take its seats."""
-        engine = Engine(spec)
+        """A new engine, out of placement until readmission has judged it as it judges a
+        restarted one (health, the pinned contract, a real transfer with a partner): an
+        operator's typo in a url or a model must not cost requests."""
+        engine = Engine(spec, ejected=True, ejection_reason=NOT_YET_PROBED)
         self.engines.append(engine)
         self.by_id[engine.id] = engine
-        self.seat_freed()
         return engine
 
     def remove(self, engine: Engine) -> None:

@@ -6,7 +6,8 @@ An engine's life under an operator:
 
 | action  | allowed when                        | effect                                       |
 |---------|-------------------------------------|----------------------------------------------|
-| add     | its id and url are not in the fleet | admitted at once (the breaker guards it)     |
+| add     | its id and url are not in the fleet | judged by readmission at once (health,       |
+|         |                                     |   contract, a transfer), then admitted       |
 | drain   | not already drained; phase floors   | no new work; `draining` until its requests   |
 |         |   hold (or `force`)                 |   end, then `drained`                        |
 | readmit | draining or drained                 | back in placement (readmission still judges  |

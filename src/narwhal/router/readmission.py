@@ -79,6 +79,9 @@ class Readmission:
         if event.kind in ("draining", "removed"):
             self._leave_wave(event.engine)
             return
+        if event.kind == "added":
+            self._wake.set()  # a new engine is judged at once, not at the next tick
+            return
         if event.kind != "ejected":
             return
         if self.whole_wave:
