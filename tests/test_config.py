@@ -662,6 +662,7 @@ def test_validate_prints_a_summary_and_ok_and_returns_zero(
         "10 s, 1 s while a phase has no admitted engine",
         '  engine contract: engine_version = "0.11.0", model = "tiny", connector = '
         '"NixlConnector", block_size = 16, tp_size = 1, dtype = "bfloat16", enforce_eager = true',
+        "  tracing: on only if the environment names an OTLP endpoint (OTEL_EXPORTER_OTLP_*)",
     ]
 
 
