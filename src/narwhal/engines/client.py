@@ -138,12 +138,14 @@ class EngineClient:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         return self._session
 
-    async def _post(self, url: str, endpoint: str, body: bytes, request_id: str) -> Connection:
+    async def _post(
+        self, url: str, endpoint: str, body: bytes, request_id: str, trace: bytes
+    ) -> Connection:
         """Send one leg's POST; returns the connection once the answer's head is in."""
         if self._pool is None:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         origin = self._pool.origin(url)
-        data = request_bytes(endpoint, origin, self._headers, request_id, body)
+        data = request_bytes(endpoint, origin, self._headers, request_id, body, trace)
         return await self._pool.send(origin, data)
 
     # Leg 1 ---------------------------------------------------------------------------
@@ -158,11 +160,13 @@ class EngineClient:
         request_id: str | None = None,
         engine: str | None = None,
         kv_hosts: Iterable[str] = (),
+        trace: bytes = b"",
     ) -> PrefillResult:
         """Run the one-token prefill and capture the producer's descriptor.
 
         With `same_worker`, no blocks are requested: the decode that follows on the same
-        engine finds the prompt in its prefix cache.
+        engine finds the prompt in its prefix cache. `trace` is the leg's trace context, as
+        header lines.
         """
         name = engine or producer_url
         request_id = request_id or new_request_id()
@@ -172,7 +176,7 @@ class EngineClient:
         connection: Connection | None = None
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                connection = await self._post(producer_url, endpoint, data, request_id)
+                connection = await self._post(producer_url, endpoint, data, request_id, trace)
                 if connection.status != 200:
                     raise await _status_error(connection, name, "prefill")
                 raw = await connection.read_all(MAX_PREFILL_ANSWER_BYTES)
@@ -226,8 +230,28 @@ class EngineClient:
         The first-token budget starts before the request is sent, so connect and header
         delays spend it too. On return the stream has output; nothing has been relayed.
         """
+        descriptor = await self.check_handoff(consumer_url, endpoint, result, connector)
+        return await self.send_decode(
+            consumer_url, endpoint, body, result, descriptor, engine=engine, drop_usage=drop_usage
+        )
+
+    async def send_decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        drop_usage: bool = False,
+        trace: bytes = b"",
+    ) -> DecodeStream:
+        """`open_decode` after the handoff check: `descriptor` is what `check_handoff` gave.
+
+        `trace` is the leg's trace context, as header lines.
+        """
         name = engine or consumer_url
-        descriptor = await self._checked_descriptor(consumer_url, endpoint, result, connector)
         data = decode_body(body, descriptor)
         self.open_legs += 1
         connection: Connection | None = None
@@ -236,7 +260,9 @@ class EngineClient:
         held_bytes = 0
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
-                connection = await self._post(consumer_url, endpoint, data, result.request_id)
+                connection = await self._post(
+                    consumer_url, endpoint, data, result.request_id, trace
+                )
                 if connection.status != 200:
                     raise await _status_error(connection, name, "decode")
                 while True:
@@ -308,8 +334,12 @@ class EngineClient:
     def _leg_closed(self) -> None:
         self.open_legs -= 1
 
-    async def _checked_descriptor(
-        self, consumer_url: str, endpoint: str, result: PrefillResult, connector: str
+    async def check_handoff(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        result: PrefillResult,
+        connector: str = NIXL_CONNECTOR,
     ) -> bytes | None:
         """The descriptor to send, after every rule; None means a plain (recomputing) decode.
 

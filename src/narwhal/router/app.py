@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -17,6 +18,9 @@ from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
 from narwhal.secrets import Secrets, bearer_allowed
+
+if TYPE_CHECKING:
+    from narwhal.router.tracing import Tracing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -139,9 +143,12 @@ class RouterServer:
         port: int | None = None,
         *,
         secrets: Secrets | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        """`tracing`: a tracer of the caller's (tests give one that keeps spans in memory);
+        by default `[tracing]` and the OTEL_* environment decide."""
         self.secrets = secrets or Secrets()
-        self.router = Router(config, self.secrets)
+        self.router = Router(config, self.secrets, tracing=tracing)
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port
         self._runner: web.AppRunner | None = None
