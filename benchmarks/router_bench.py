@@ -83,6 +83,7 @@ class BenchOptions:
     quiet: bool = False
     # Also run Narwhal with tracing on ("narwhal-traced"), exporting to an OTLP sink.
     tracing: bool = False
+    tracing_ratio: float = 1.0
 
 
 @dataclass(slots=True)
@@ -347,11 +348,14 @@ def narwhal_config(
     idle: bool = False,
     queue: int = 1024,
     traces_to: str | None = None,
+    sample_ratio: float = 1.0,
 ) -> str:
     """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
     idle streams need the silence check off and room to open thousands of first tokens.
     Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say)."""
-    tracing = f'enabled = true\nendpoint = "{traces_to}"' if traces_to else "enabled = false"
+    tracing = "enabled = false"
+    if traces_to:
+        tracing = f'enabled = true\nendpoint = "{traces_to}"\nsample_ratio = {sample_ratio}'
     first_token_s = 120.0 if idle else 30.0
     decode_read_s = 0.0 if idle else 10.0
     request_s = 3600.0 if idle else 600.0
@@ -396,11 +400,20 @@ async def start_narwhal(
     queue: int = 1024,
     name: str = "narwhal",
     traces_to: str | None = None,
+    sample_ratio: float = 1.0,
 ) -> tuple[Proc, str]:
     port = free_port()
     config = workdir / f"{name}.toml"
     config.write_text(
-        narwhal_config(producer, consumer, port, idle=idle, queue=queue, traces_to=traces_to)
+        narwhal_config(
+            producer,
+            consumer,
+            port,
+            idle=idle,
+            queue=queue,
+            traces_to=traces_to,
+            sample_ratio=sample_ratio,
+        )
     )
     argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]
     proc = await Proc.start(name, argv, workdir)
@@ -711,6 +724,7 @@ async def _run_targets(
             bench.workdir,
             name="narwhal-traced",
             traces_to=traces_to,
+            sample_ratio=options.tracing_ratio,
         )
         url = await add_router(bench, "narwhal-traced", traced)
         say(f"narwhal-traced: {url}, spans to {traces_to}")
@@ -1047,6 +1061,7 @@ def parser() -> argparse.ArgumentParser:
     add("--no-direct", dest="direct", action="store_false", help="skip the direct path")
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
     add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
+    add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
     add("--fastapi-proxy", type=Path, help="python for the FastAPI peer (default: .venv-bench)")
@@ -1088,6 +1103,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         load_processes=args.load_processes,
         warmup=args.warmup,
         tracing=args.tracing,
+        tracing_ratio=args.tracing_ratio,
     )
 
 

@@ -25,8 +25,8 @@ class TraceParent(NamedTuple):
     flags: int
 
 
-def parse_traceparent(value: str) -> TraceParent | None:
-    """The ids and flags of a valid `traceparent`, or None (the header is then ignored)."""
+def _fields(value: str) -> tuple[str, ...] | None:
+    """The fields of a valid `traceparent` as text (version, trace id, span id, flags)."""
     match = _TRACEPARENT.fullmatch(value)
     if match is None:
         return None
@@ -35,7 +35,15 @@ def parse_traceparent(value: str) -> TraceParent | None:
         return None
     if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
         return None
-    return TraceParent(int(trace_id, 16), int(span_id, 16), int(flags, 16))
+    return version, trace_id, span_id, flags
+
+
+def parse_traceparent(value: str) -> TraceParent | None:
+    """The ids and flags of a valid `traceparent`, or None (the header is then ignored)."""
+    fields = _fields(value)
+    if fields is None:
+        return None
+    return TraceParent(int(fields[1], 16), int(fields[2], 16), int(fields[3], 16))
 
 
 def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
@@ -63,6 +71,6 @@ def passthrough(traceparent: str | None, tracestate: str | None) -> bytes:
 
     A `tracestate` without a valid `traceparent` means nothing, so it is dropped with it.
     """
-    if traceparent is None or parse_traceparent(traceparent) is None:
+    if traceparent is None or _fields(traceparent) is None:
         return b""
     return header_lines(traceparent, usable_tracestate(tracestate))

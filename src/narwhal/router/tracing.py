@@ -123,6 +123,7 @@ class RequestTrace:
 
     __slots__ = (
         "_attempt",
+        "_attempt_context",
         "_attempt_no",
         "_handoffs_at",
         "_origin_ns",
@@ -159,6 +160,7 @@ class RequestTrace:
         )
         self._root_context = trace.set_span_in_context(self._root)
         self._attempt: Span | None = None
+        self._attempt_context = self._root_context
         self._attempt_no = 0
         self._handoffs_at = 0
         self._stage: Span | None = None
@@ -183,16 +185,18 @@ class RequestTrace:
                 attributes={ATTEMPT: self._attempt_no},
                 start_time=self._ns(now),
             )
+            self._attempt_context = trace.set_span_in_context(self._attempt)
         elif stage is Stage.RELAY:
             # The attempt produced its first token: it succeeded, and relaying is the request's.
             self._end_attempt(call, now, None)
         name = STAGE_SPANS.get(stage)
         if name is None:
             return
-        parent = self._attempt if self._attempt is not None else self._root
+        # The relay, after the attempt, is the request's own.
+        parent = self._attempt_context if self._attempt is not None else self._root_context
         self._stage = self._tracer.start_span(
             name,
-            context=trace.set_span_in_context(parent),
+            context=parent,
             kind=_KINDS.get(stage, SpanKind.INTERNAL),
             attributes=self._stage_start(call, stage),
             start_time=self._ns(now),
@@ -265,8 +269,11 @@ class RequestTrace:
         return attributes
 
     def _stage_start(self, call: Call, stage: Stage) -> dict[str, str | int]:
-        """What is known of a stage as it opens (past the queue, the attempt is placed)."""
-        attributes: dict[str, str | int] = {ATTEMPT: self._attempt_no}
+        """What is known of a stage as it opens (past the queue, the attempt is placed).
+
+        The attempt's number is on its own span, the stage's parent, so not here again.
+        """
+        attributes: dict[str, str | int] = {}
         if stage is Stage.QUEUED or stage is Stage.RELAY:
             return attributes
         if stage is not Stage.DECODE and call.producer is not None:
