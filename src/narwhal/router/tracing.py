@@ -128,6 +128,7 @@ class RequestTrace:
         "_handoffs_at",
         "_origin_ns",
         "_origin_s",
+        "_recording",
         "_root",
         "_root_context",
         "_stage",
@@ -158,6 +159,9 @@ class RequestTrace:
             attributes=attributes,
             start_time=self._ns(call.arrival),
         )
+        # A request left out by sampling gets no child spans: they would be left out too,
+        # and its legs carry the request span's context (not sampled) instead.
+        self._recording = self._root.is_recording()
         self._root_context = trace.set_span_in_context(self._root)
         self._attempt: Span | None = None
         self._attempt_context = self._root_context
@@ -173,6 +177,8 @@ class RequestTrace:
 
     def enter(self, call: Call, stage: Stage, now: float) -> None:
         """End the open stage's span and open the next one (a new attempt at each queue)."""
+        if not self._recording:
+            return
         self._end_stage(call, now, None)
         if stage is Stage.QUEUED:
             self._end_attempt(call, now, None)
@@ -204,6 +210,8 @@ class RequestTrace:
         self._stage_kind = stage
 
     def attempt_failed(self, call: Call, error: NarwhalError, now: float) -> None:
+        if not self._recording:
+            return
         self._end_stage(call, now, error)
         self._end_attempt(call, now, error)
 
@@ -217,6 +225,9 @@ class RequestTrace:
 
     def end(self, call: Call, now: float) -> None:
         """The request is over: close what is open, then its own span with the outcome."""
+        if not self._recording:
+            self._root.end()
+            return
         # `cause` is set by the request's final failure only (not when the client left).
         error = call.errors[-1] if call.cause is not None and call.errors else None
         self._end_stage(call, now, error)
