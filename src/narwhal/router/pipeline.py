@@ -301,7 +301,7 @@ class Router:
 
         call.handoffs.append(call.handoff)
         try:
-            descriptor = await self.client.check_handoff(consumer.url, call.endpoint, result)
+            descriptor = await self.client.handoff_descriptor(consumer.url, call.endpoint, result)
             call.enter(Stage.DECODE)
             stream = await self.client.send_decode(
                 consumer.url,
