@@ -38,6 +38,7 @@ import aiohttp
 import orjson
 import uvloop
 from bench_load import BatchResult, Target, bucket_seconds
+from otlp_sink import otlp_sink
 
 HERE = Path(__file__).resolve().parent
 LOAD_SCRIPT = HERE / "bench_load.py"
@@ -80,6 +81,9 @@ class BenchOptions:
     load_processes: int = 1
     warmup: bool = True
     quiet: bool = False
+    # Also run Narwhal with tracing on ("narwhal-traced"), exporting to an OTLP sink.
+    tracing: bool = False
+    tracing_ratio: float = 1.0
 
 
 @dataclass(slots=True)
@@ -337,10 +341,21 @@ async def wait_healthy(proc: Proc | None, url: str) -> None:
 
 
 def narwhal_config(
-    producer: str, consumer: str, port: int, *, idle: bool = False, queue: int = 1024
+    producer: str,
+    consumer: str,
+    port: int,
+    *,
+    idle: bool = False,
+    queue: int = 1024,
+    traces_to: str | None = None,
+    sample_ratio: float = 1.0,
 ) -> str:
     """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
-    idle streams need the silence check off and room to open thousands of first tokens."""
+    idle streams need the silence check off and room to open thousands of first tokens.
+    Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say)."""
+    tracing = "enabled = false"
+    if traces_to:
+        tracing = f'enabled = true\nendpoint = "{traces_to}"\nsample_ratio = {sample_ratio}'
     first_token_s = 120.0 if idle else 30.0
     decode_read_s = 0.0 if idle else 10.0
     request_s = 3600.0 if idle else 600.0
@@ -359,6 +374,9 @@ decode_read_timeout_s = {decode_read_s}
 request_timeout_s = {request_s}
 queue_capacity = {queue}
 
+[tracing]
+{tracing}
+
 [[engines]]
 id = "producer"
 url = "{producer}"
@@ -374,13 +392,31 @@ max_decode_seats = 0
 
 
 async def start_narwhal(
-    producer: str, consumer: str, workdir: Path, *, idle: bool = False, queue: int = 1024
+    producer: str,
+    consumer: str,
+    workdir: Path,
+    *,
+    idle: bool = False,
+    queue: int = 1024,
+    name: str = "narwhal",
+    traces_to: str | None = None,
+    sample_ratio: float = 1.0,
 ) -> tuple[Proc, str]:
     port = free_port()
-    config = workdir / "narwhal.toml"
-    config.write_text(narwhal_config(producer, consumer, port, idle=idle, queue=queue))
+    config = workdir / f"{name}.toml"
+    config.write_text(
+        narwhal_config(
+            producer,
+            consumer,
+            port,
+            idle=idle,
+            queue=queue,
+            traces_to=traces_to,
+            sample_ratio=sample_ratio,
+        )
+    )
     argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]
-    proc = await Proc.start("narwhal", argv, workdir)
+    proc = await Proc.start(name, argv, workdir)
     url = f"http://127.0.0.1:{port}"
     await wait_healthy(proc, url)
     return proc, url
@@ -658,26 +694,50 @@ async def run_bench(options: BenchOptions, workdir: Path | None = None) -> Bench
 async def _run_bench(options: BenchOptions, workdir: Path) -> BenchReport:
     settings = sim_settings(options, options.concurrency, options.max_tokens)
     say = _printer(options.quiet)
-    async with fleet(settings, options.producer_port, options.consumer_port, workdir) as bench:
-        say(f"engines: producer {bench.producer_url}, consumer {bench.consumer_url}")
-        if options.direct:
-            direct = Target("direct", producer=bench.producer_url, consumer=bench.consumer_url)
-            bench.targets.append(direct)
-        if options.narwhal:
-            url = await add_router(
-                bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, workdir)
-            )
-            say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
-        await add_peers(bench, options, say)
-        pids = dict(options.target_pids)
-        for name, url in options.targets:
-            # Another router may still be finding the engines the bench just started.
-            await wait_healthy(None, url)
-            bench.targets.append(Target(name, url=url))
-            if name in pids:
-                bench.pids[name] = pids[name]
-        await start_loads(bench, options.load_processes)
-        return await _trials(bench, options, say)
+    async with contextlib.AsyncExitStack() as stack:
+        sink = await stack.enter_async_context(otlp_sink()) if options.tracing else None
+        bench = await stack.enter_async_context(
+            fleet(settings, options.producer_port, options.consumer_port, workdir)
+        )
+        report = await _run_targets(bench, options, say, sink[0] if sink else None)
+        if sink is not None:
+            say(f"narwhal-traced sent {sink[1][0]} OTLP export requests")
+        return report
+
+
+async def _run_targets(
+    bench: Bench, options: BenchOptions, say: Any, traces_to: str | None
+) -> BenchReport:
+    say(f"engines: producer {bench.producer_url}, consumer {bench.consumer_url}")
+    if options.direct:
+        direct = Target("direct", producer=bench.producer_url, consumer=bench.consumer_url)
+        bench.targets.append(direct)
+    if options.narwhal:
+        url = await add_router(
+            bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, bench.workdir)
+        )
+        say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
+    if traces_to is not None:
+        traced = start_narwhal(
+            bench.producer_url,
+            bench.consumer_url,
+            bench.workdir,
+            name="narwhal-traced",
+            traces_to=traces_to,
+            sample_ratio=options.tracing_ratio,
+        )
+        url = await add_router(bench, "narwhal-traced", traced)
+        say(f"narwhal-traced: {url}, spans to {traces_to}")
+    await add_peers(bench, options, say)
+    pids = dict(options.target_pids)
+    for name, url in options.targets:
+        # Another router may still be finding the engines the bench just started.
+        await wait_healthy(None, url)
+        bench.targets.append(Target(name, url=url))
+        if name in pids:
+            bench.pids[name] = pids[name]
+    await start_loads(bench, options.load_processes)
+    return await _trials(bench, options, say)
 
 
 async def _trials(bench: Bench, options: BenchOptions, say: Any) -> BenchReport:
@@ -1000,6 +1060,8 @@ def parser() -> argparse.ArgumentParser:
     add("--prefill-s-per-token", type=float, default=0.0, help="the engines' prefill cost")
     add("--no-direct", dest="direct", action="store_false", help="skip the direct path")
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
+    add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
+    add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
     add("--fastapi-proxy", type=Path, help="python for the FastAPI peer (default: .venv-bench)")
@@ -1040,6 +1102,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         consumer_port=args.consumer_port,
         load_processes=args.load_processes,
         warmup=args.warmup,
+        tracing=args.tracing,
+        tracing_ratio=args.tracing_ratio,
     )
 
 

@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
+from narwhal.router.tracing import Tracing
 from narwhal.secrets import Secrets
 from narwhal.sim.engine import SimEngine
 from narwhal.sim.faults import Fault
@@ -100,10 +101,11 @@ def stack_factory(tmp_path: Path) -> StackFactory:
         sim_by_engine: dict[str, dict[str, Any]] | None = None,
         engine_keys: dict[str, dict[str, Any]] | None = None,
         secrets: Secrets | None = None,
+        tracer: Tracing | None = None,
         **sections: dict[str, Any],
     ) -> AsyncIterator[Stack]:
         """`sim` applies to every engine, `sim_by_engine` to one; `engine_keys` adds
-        `[[engines]]` keys by engine id."""
+        `[[engines]]` keys by engine id; `tracer` replaces the router's tracing."""
         options = [
             replace(FAST, name=name, **(sim or {}), **(sim_by_engine or {}).get(name, {}))
             for name, _ in roles
@@ -128,7 +130,7 @@ def stack_factory(tmp_path: Path) -> StackFactory:
                 },
                 source="test",
             )
-            server = RouterServer(config, port=0, secrets=secrets)
+            server = RouterServer(config, port=0, secrets=secrets, tracing=tracer)
             await server.start()
             try:
                 async with aiohttp.ClientSession() as http:

@@ -33,6 +33,7 @@ from narwhal.config import (
     parse_config,
     validate_command,
 )
+from narwhal.tracing_config import TracingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -111,6 +112,7 @@ def test_the_example_fleet_validates() -> None:
     config = load_config(ROOT / "examples" / "fleet.toml")
     assert config.engine_contract is not None
     assert {spec.role for spec in config.engines} == {Role.PREFILL, Role.DECODE}
+    assert config.tracing.enabled is False
 
 
 def test_every_key_is_documented() -> None:
@@ -123,6 +125,7 @@ def test_every_key_is_documented() -> None:
         JournalConfig,
         EngineContract,
         EngineSpec,
+        TracingConfig,
     ]
     keys = {f.name for cls in classes for f in dataclasses.fields(cls)} - {"extra"}
     assert {key for key in keys if f"`{key}`" not in doc} == set()
@@ -662,6 +665,7 @@ def test_validate_prints_a_summary_and_ok_and_returns_zero(
         "10 s, 1 s while a phase has no admitted engine",
         '  engine contract: engine_version = "0.11.0", model = "tiny", connector = '
         '"NixlConnector", block_size = 16, tp_size = 1, dtype = "bfloat16", enforce_eager = true',
+        "  tracing: on only if the environment names an OTLP endpoint (OTEL_EXPORTER_OTLP_*)",
     ]
 
 

@@ -21,6 +21,8 @@ from types import MappingProxyType
 from typing import Final, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
+from narwhal.tracing_config import TracingConfig, parse_tracing
+
 
 class Role(enum.StrEnum):
     """Which legs of a handoff an engine may serve."""
@@ -179,6 +181,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
     engine_contract: EngineContract | None = None
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -293,12 +296,21 @@ def _summary(config: Config, source: str) -> str:
         + seconds("recovery.urgent_readmit_interval_s", recovery.urgent_readmit_interval_s)
         + " while a phase has no admitted engine",
         f"  engine contract: {pinned}",
+        f"  tracing: {_tracing_summary(config.tracing)}",
     ]
     if config.derived:
         lines.append(
             "  (derived): unset, so clamped from the default to fit the key it must not exceed"
         )
     return "\n".join(lines)
+
+
+def _tracing_summary(tracing: TracingConfig) -> str:
+    if tracing.enabled is False:
+        return "off"
+    if tracing.enabled is None:
+        return "on only if the environment names an OTLP endpoint (OTEL_EXPORTER_OTLP_*)"
+    return f"on, to {tracing.endpoint or 'the OTLP endpoint of the environment, or the default'}"
 
 
 # --- Reading -------------------------------------------------------------------------------
@@ -568,6 +580,7 @@ def _build(raw: object, source: str) -> Config:
     serving = _serving(top.table("serving"))
     recovery = _recovery(top.table("recovery"))
     journal = _journal(top.table("journal"))
+    tracing = parse_tracing(top.table("tracing"))
     contract_table = top.optional_table("engine_contract")
     contract = _contract(contract_table) if contract_table else None
     entries = top.items("engines")
@@ -578,7 +591,15 @@ def _build(raw: object, source: str) -> Config:
             engines[table.where] = _engine_spec(table)
     top.close()
     config = Config(
-        model, tuple(engines.values()), server, engine, serving, recovery, journal, contract
+        model,
+        tuple(engines.values()),
+        server,
+        engine,
+        serving,
+        recovery,
+        journal,
+        contract,
+        tracing,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)

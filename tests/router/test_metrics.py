@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.config import parse_config
-from narwhal.engines.client import DescriptorRejected
 from narwhal.engines.gaps import TokenGaps
+from narwhal.engines.handoff import DescriptorRejected
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.descriptor import Defect
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error

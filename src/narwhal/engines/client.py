@@ -14,13 +14,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
 from narwhal.engines.gaps import TokenGaps
+from narwhal.engines.handoff import checked_descriptor
 from narwhal.engines.hosts import HostResolver
 from narwhal.engines.http import (
     KEEPALIVE_S,
@@ -32,7 +32,6 @@ from narwhal.engines.http import (
     request_bytes,
 )
 from narwhal.protocol.bodies import decode_body, prefill_body
-from narwhal.protocol.descriptor import DEFECT_MESSAGES, Defect, check_descriptor, check_handoff
 from narwhal.protocol.errors import CLIENT_FAULT_STATUSES, Cause, NarwhalError, engine_error
 from narwhal.protocol.jsonspan import first_element_span, member_occurrences, member_spans
 from narwhal.protocol.sse import (
@@ -52,21 +51,6 @@ MAX_ERROR_BODY_BYTES = 64 << 10
 # Events before the first token are held for the client, none dropped; an engine that
 # sends more than this before any token is broken (vLLM sends one role chunk at most).
 MAX_HELD_BYTES = 1 << 20
-
-
-class DescriptorRejected(NarwhalError):
-    """A descriptor that failed validation; `defect` says which rule it broke."""
-
-    def __init__(self, defect: Defect, engine: str) -> None:
-        error = engine_error(
-            Cause.DESCRIPTOR,
-            f"engine {engine} sent a bad handoff descriptor: {DEFECT_MESSAGES[defect]}",
-            engine,
-        )
-        super().__init__(
-            error.status, error.message, error.cause, transient=error.transient, engine=engine
-        )
-        self.defect = defect
 
 
 def new_request_id() -> str:
@@ -138,12 +122,14 @@ class EngineClient:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         return self._session
 
-    async def _post(self, url: str, endpoint: str, body: bytes, request_id: str) -> Connection:
+    async def _post(
+        self, url: str, endpoint: str, body: bytes, request_id: str, trace: bytes
+    ) -> Connection:
         """Send one leg's POST; returns the connection once the answer's head is in."""
         if self._pool is None:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         origin = self._pool.origin(url)
-        data = request_bytes(endpoint, origin, self._headers, request_id, body)
+        data = request_bytes(endpoint, origin, self._headers, request_id, body, trace)
         return await self._pool.send(origin, data)
 
     # Leg 1 ---------------------------------------------------------------------------
@@ -158,11 +144,13 @@ class EngineClient:
         request_id: str | None = None,
         engine: str | None = None,
         kv_hosts: Iterable[str] = (),
+        trace: bytes = b"",
     ) -> PrefillResult:
         """Run the one-token prefill and capture the producer's descriptor.
 
         With `same_worker`, no blocks are requested: the decode that follows on the same
-        engine finds the prompt in its prefix cache.
+        engine finds the prompt in its prefix cache. `trace` is the leg's trace context, as
+        header lines.
         """
         name = engine or producer_url
         request_id = request_id or new_request_id()
@@ -172,7 +160,7 @@ class EngineClient:
         connection: Connection | None = None
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                connection = await self._post(producer_url, endpoint, data, request_id)
+                connection = await self._post(producer_url, endpoint, data, request_id, trace)
                 if connection.status != 200:
                     raise await _status_error(connection, name, "prefill")
                 raw = await connection.read_all(MAX_PREFILL_ANSWER_BYTES)
@@ -226,8 +214,28 @@ class EngineClient:
         The first-token budget starts before the request is sent, so connect and header
         delays spend it too. On return the stream has output; nothing has been relayed.
         """
+        descriptor = await self.handoff_descriptor(consumer_url, endpoint, result, connector)
+        return await self.send_decode(
+            consumer_url, endpoint, body, result, descriptor, engine=engine, drop_usage=drop_usage
+        )
+
+    async def send_decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        drop_usage: bool = False,
+        trace: bytes = b"",
+    ) -> DecodeStream:
+        """`open_decode` after the handoff check: `descriptor` is what `handoff_descriptor` gave.
+
+        `trace` is the leg's trace context, as header lines.
+        """
         name = engine or consumer_url
-        descriptor = await self._checked_descriptor(consumer_url, endpoint, result, connector)
         data = decode_body(body, descriptor)
         self.open_legs += 1
         connection: Connection | None = None
@@ -236,7 +244,9 @@ class EngineClient:
         held_bytes = 0
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
-                connection = await self._post(consumer_url, endpoint, data, result.request_id)
+                connection = await self._post(
+                    consumer_url, endpoint, data, result.request_id, trace
+                )
                 if connection.status != 200:
                     raise await _status_error(connection, name, "decode")
                 while True:
@@ -308,35 +318,15 @@ class EngineClient:
     def _leg_closed(self) -> None:
         self.open_legs -= 1
 
-    async def _checked_descriptor(
-        self, consumer_url: str, endpoint: str, result: PrefillResult, connector: str
+    async def handoff_descriptor(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        result: PrefillResult,
+        connector: str = NIXL_CONNECTOR,
     ) -> bytes | None:
-        """The descriptor to send, after every rule; None means a plain (recomputing) decode.
-
-        Last rule: the descriptor may only send the consumer to the producer that issued
-        it, so a misbehaving engine cannot steer KV pulls elsewhere.
-        """
-        if result.descriptor is None or consumer_url == result.producer_url:
-            # Never point a descriptor at its own engine: the prefix cache serves it.
-            return None
-        name = result.producer or result.producer_url
-        params = result.parameters()
-        defect = check_descriptor(params) or check_handoff(
-            prefill_connector=result.connector,
-            decode_connector=connector,
-            prefill_endpoint=result.endpoint,
-            decode_endpoint=endpoint,
-        )
-        if defect is None:
-            remote_host = params.get("remote_host")
-            allowed = (_host_of(result.producer_url), *result.kv_hosts)
-            if not isinstance(remote_host, str) or not await self._hosts.same_machine(
-                remote_host, allowed
-            ):
-                defect = Defect.FOREIGN_HOST
-        if defect is not None:
-            raise DescriptorRejected(defect, name)
-        return result.descriptor
+        """The descriptor to send, after every rule (see `handoff.checked_descriptor`)."""
+        return await checked_descriptor(self._hosts, consumer_url, endpoint, result, connector)
 
     async def decode(
         self,
@@ -606,10 +596,6 @@ def _error_object(payload: dict[str, Any], engine: str) -> NarwhalError:
 def _usage_of(payload: dict[str, Any] | None) -> dict[str, Any] | None:
     usage = (payload or {}).get("usage")
     return usage if isinstance(usage, dict) else None
-
-
-def _host_of(url: str) -> str:
-    return urlsplit(url).hostname or ""
 
 
 def _close(connection: Connection | None) -> None:

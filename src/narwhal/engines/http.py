@@ -303,8 +303,11 @@ class ConnectionPool:
         self._idle.clear()
 
 
-def request_bytes(path: str, origin: Origin, headers: bytes, request_id: str, body: bytes) -> bytes:
-    """A complete POST, ready for one write. `headers` are pre-encoded `Name: value\\r\\n` lines."""
+def request_bytes(
+    path: str, origin: Origin, headers: bytes, request_id: str, body: bytes, extra: bytes = b""
+) -> bytes:
+    """A complete POST, ready for one write. `headers` (the client's own) and `extra` (this
+    request's, such as its trace context) are pre-encoded `Name: value\\r\\n` lines."""
     return b"".join(
         (
             b"POST ",
@@ -317,6 +320,7 @@ def request_bytes(path: str, origin: Origin, headers: bytes, request_id: str, bo
             request_id.encode(),
             b"\r\n",
             headers,
+            extra,
             b"\r\n",
             body,
         )

@@ -7,6 +7,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -19,6 +20,9 @@ from narwhal.router.admin import add_admin_routes
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
 from narwhal.secrets import Secrets, bearer_allowed
+
+if TYPE_CHECKING:
+    from narwhal.router.tracing import Tracing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -143,10 +147,13 @@ class RouterServer:
         *,
         secrets: Secrets | None = None,
         config_path: Path | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads."""
+        """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads.
+        `tracing`: a tracer of the caller's (tests give one that keeps spans in memory);
+        by default `[tracing]` and the OTEL_* environment decide."""
         self.secrets = secrets or Secrets()
-        self.router = Router(config, self.secrets, config_path)
+        self.router = Router(config, self.secrets, config_path, tracing=tracing)
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port
         self._runner: web.AppRunner | None = None

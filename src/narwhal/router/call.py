@@ -10,12 +10,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
+
+if TYPE_CHECKING:
+    # Only for its type: the tracing library is imported when tracing is on, not here.
+    from narwhal.router.tracing import RequestTrace
 
 # The status recorded for a client that went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499
@@ -29,6 +33,7 @@ class Stage(StrEnum):
     ADMISSION = "reading the request"
     QUEUED = "waiting for a seat"
     PREFILL = "waiting for the prefill"
+    HANDOFF = "validating the handoff"
     DECODE = "waiting for the first token"
     RELAY = "relaying tokens"
 
@@ -69,6 +74,10 @@ class Call:
     # `stage_at`.
     spent: dict[Stage, float] = field(default_factory=dict)
     stage_at: float = field(init=False)
+    # With tracing on, the request's spans, told of each stage; with it off, the client's
+    # own trace context as header lines for the engine legs (b"" if it sent none).
+    trace: RequestTrace | None = None
+    trace_lines: bytes = b""
 
     def __post_init__(self) -> None:
         self.stage_at = self.arrival
@@ -78,6 +87,18 @@ class Call:
         now = time.perf_counter()
         self.finish(now)
         self.stage, self.stage_at = stage, now
+        if self.trace is not None:
+            self.trace.enter(self, stage, now)
+
+    def attempt_failed(self, error: NarwhalError) -> None:
+        """An attempt ended in `error` (the request may retry or fail with it)."""
+        self.errors.append(error)
+        if self.trace is not None:
+            self.trace.attempt_failed(self, error, time.perf_counter())
+
+    def leg_headers(self) -> bytes:
+        """Trace context header lines for the engine leg about to be sent."""
+        return self.trace_lines if self.trace is None else self.trace.leg_headers()
 
     def finish(self, now: float) -> None:
         """Count the current stage's time up to `now` (the request ends, or moves on)."""
@@ -103,10 +124,12 @@ class Call:
 
     @property
     def decode_s(self) -> float | None:
-        """In decode legs: waiting for first tokens (over attempts), then relaying."""
+        """In decode legs: checking handoffs and waiting for first tokens (over attempts),
+        then relaying."""
         if Stage.DECODE not in self.spent:
             return None
-        return self.spent[Stage.DECODE] + self.spent.get(Stage.RELAY, 0.0)
+        spent = self.spent
+        return spent[Stage.DECODE] + spent.get(Stage.HANDOFF, 0.0) + spent.get(Stage.RELAY, 0.0)
 
     def entry(self, now: float) -> dict[str, Any]:
         return {

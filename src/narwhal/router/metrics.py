@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from narwhal.engines.client import DescriptorRejected
+from narwhal.engines.handoff import DescriptorRejected
 from narwhal.protocol.errors import Cause
 from narwhal.router.fleet import EngineState, Phase
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -22,6 +23,7 @@ from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads,
 from narwhal.engines.connector import PrefillResult
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
+from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
@@ -36,6 +38,10 @@ from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
+from narwhal.tracing_config import resolve_tracing
+
+if TYPE_CHECKING:
+    from narwhal.router.tracing import Tracing
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -61,11 +67,18 @@ class Router:
     """Everything a request needs, built once from the configuration."""
 
     def __init__(
-        self, config: Config, secrets: Secrets | None = None, config_path: Path | None = None
+        self,
+        config: Config,
+        secrets: Secrets | None = None,
+        config_path: Path | None = None,
+        *,
+        tracing: Tracing | None = None,
     ) -> None:
         # The configuration the router started with; the engine list lives in `fleet`, which
         # operators change at runtime (`operations`, re-reading `config_path` on reload).
         self.config = config
+        # None: off, and the request path only passes the client's trace context on.
+        self.tracing = tracing or _start_tracing(config)
         self.fleet = Fleet(
             config.engines,
             queue_capacity=config.serving.queue_capacity,
@@ -121,6 +134,9 @@ class Router:
         await self.metrics.stop()
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
+        if self.tracing is not None:
+            # Exports what is still batched; it blocks, so off the loop.
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def _journal_engine_event(self, event: EngineEvent) -> None:
         self.journal.record(engine_entry(event))
@@ -140,6 +156,12 @@ class Router:
             arrival=time.perf_counter(),
             deadline=asyncio.get_running_loop().time() + self.config.serving.request_timeout_s,
         )
+        headers = request.headers
+        traceparent = headers.get("traceparent")
+        if self.tracing is not None:
+            call.trace = self.tracing.begin(call, traceparent, headers.get("tracestate"))
+        elif traceparent is not None:
+            call.trace_lines = passthrough(traceparent, headers.get("tracestate"))
         self.in_flight += 1
         task = asyncio.current_task()
         assert task is not None
@@ -177,6 +199,8 @@ class Router:
             self._tasks.discard(task)
             now = time.perf_counter()
             call.finish(now)
+            if call.trace is not None:
+                call.trace.end(call, now)
             self.journal.record(call.entry(now))
             for hook in self.call_hooks:
                 hook(call, now)
@@ -238,7 +262,7 @@ class Router:
                 return reservation, await self._attempt(call, client_request, reservation)
             except NarwhalError as error:
                 reservation.release()
-                call.errors.append(error)
+                call.attempt_failed(error)
                 self._blame(error, reservation)
                 if not self._may_retry(call, error):
                     raise
@@ -277,22 +301,27 @@ class Router:
                 request_id=backend_id,
                 engine=producer.id,
                 kv_hosts=producer.spec.kv_hosts,
+                trace=call.leg_headers(),
             )
             reservation.release_prefill()
             call.ttft_s = time.perf_counter() - call.arrival
             call.prompt_tokens = result.prompt_tokens
+            call.enter(Stage.HANDOFF)
             call.handoff = self._handoff_kind(reservation, result, loop.time())
 
         call.handoffs.append(call.handoff)
-        call.enter(Stage.DECODE)
         try:
-            stream = await self.client.open_decode(
+            descriptor = await self.client.handoff_descriptor(consumer.url, call.endpoint, result)
+            call.enter(Stage.DECODE)
+            stream = await self.client.send_decode(
                 consumer.url,
                 call.endpoint,
                 client_request.body,
                 result,
+                descriptor,
                 engine=consumer.id,
                 drop_usage=not client_request.include_usage,
+                trace=call.leg_headers(),
             )
         except NarwhalError as error:
             if error.engine != producer.id:
@@ -357,6 +386,19 @@ class Router:
             call.retry_denied = True
             return False
         return True
+
+
+def _start_tracing(config: Config) -> Tracing | None:
+    """Tracing as `[tracing]` and the OTEL_* environment ask for it; None when off.
+
+    The tracing library is imported only here, so a router without tracing never loads it.
+    """
+    settings = resolve_tracing(config.tracing, os.environ)
+    if settings is None:
+        return None
+    from narwhal.router.tracing import Tracing
+
+    return Tracing.start(settings, config.model)
 
 
 async def _read_body(request: web.Request, timeout_s: float) -> bytes:

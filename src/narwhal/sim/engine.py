@@ -62,6 +62,9 @@ class Received:
     request_id: str | None
     raw: bytes
     authorization: str | None = None
+    # The W3C trace context it carried, so tests can check what a router propagates.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def body(self) -> Any:
@@ -240,6 +243,8 @@ class SimEngine:
                 request.headers.get("X-Request-Id"),
                 raw,
                 request.headers.get("Authorization"),
+                request.headers.get("traceparent"),
+                request.headers.get("tracestate"),
             )
         )
         try:
