@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -94,8 +95,16 @@ async def test_drain_delete_add_and_patch_show_in_state_metrics_and_the_journal(
         assert status == 200 and body == {"removed": "d1"}
         entry = {"id": "d9", "url": extra.url, "role": "decode", "max_decode_seats": 4}
         status, body = await call(stack, "POST", "/narwhal/engines", entry)
-        assert status == 201 and body["engine"]["state"] == "admitted"
+        # Out of placement until readmission has probed it, which it does at once.
+        assert status == 201 and body["engine"]["state"] == "ejected"
         assert body["engine"]["seats"]["decode"]["limit"] == 4
+        for _ in range(300):
+            state = await router_state(stack)
+            if next(e for e in state["engines"] if e["id"] == "d9")["state"] == "admitted":
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"d9 not admitted after its probe: {state}")
         status, body = await call(stack, "POST", "/narwhal/engines", entry)
         assert status == 409 and body["error"]["param"] == "id"
         status, body = await call(stack, "PATCH", "/narwhal/engines/p1", {"pin": True})
@@ -109,12 +118,14 @@ async def test_drain_delete_add_and_patch_show_in_state_metrics_and_the_journal(
         assert 'narwhal_engine_info{engine="d9",role="decode"' in metrics
         assert 'narwhal_engine_state{engine="d9",state="drained"} 0.0' in metrics
 
-        events = [(line["event"], line["engine"]) for line in await stack.journal(5, kind="engine")]
+        events = [(line["event"], line["engine"]) for line in await stack.journal(7, kind="engine")]
         assert events == [
             ("draining", "d1"),
             ("drained", "d1"),
             ("removed", "d1"),
             ("added", "d9"),
+            ("probe", "d9"),
+            ("readmitted", "d9"),
             ("changed", "p1"),
         ]
         assert len(await stack.journal(4, kind="request")) == 4
