@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
+from narwhal.engines.connector import NIXL_CONNECTOR, Delivery, PrefillResult
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.hosts import HostResolver
 from narwhal.engines.http import (
@@ -138,13 +138,20 @@ class EngineClient:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         return self._session
 
-    async def _post(self, url: str, endpoint: str, body: bytes, request_id: str) -> Connection:
+    async def _post(
+        self,
+        url: str,
+        endpoint: str,
+        body: bytes,
+        request_id: str,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Connection:
         """Send one leg's POST; returns the connection once the answer's head is in."""
         if self._pool is None:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         origin = self._pool.origin(url)
         data = request_bytes(endpoint, origin, self._headers, request_id, body)
-        return await self._pool.send(origin, data)
+        return await self._pool.send(origin, data, on_sent)
 
     # Leg 1 ---------------------------------------------------------------------------
 
@@ -220,11 +227,13 @@ class EngineClient:
         engine: str | None = None,
         connector: str = NIXL_CONNECTOR,
         drop_usage: bool = False,
+        delivery: Delivery | None = None,
     ) -> DecodeStream:
         """Validate the handoff, send the decode and wait for its first generated token.
 
         The first-token budget starts before the request is sent, so connect and header
         delays spend it too. On return the stream has output; nothing has been relayed.
+        `delivery` learns whether the descriptor reached the consumer, on every path.
         """
         name = engine or consumer_url
         descriptor = await self._checked_descriptor(consumer_url, endpoint, result, connector)
@@ -236,8 +245,16 @@ class EngineClient:
         held_bytes = 0
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
-                connection = await self._post(consumer_url, endpoint, data, result.request_id)
+                connection = await self._post(
+                    consumer_url,
+                    endpoint,
+                    data,
+                    result.request_id,
+                    None if delivery is None else delivery.sent,
+                )
                 if connection.status != 200:
+                    if delivery is not None:
+                        delivery.refused = True
                     raise await _status_error(connection, name, "decode")
                 while True:
                     chunk = await connection.read()
