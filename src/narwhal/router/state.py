@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE
-from narwhal.router.fleet import Engine
+from narwhal.router.fleet import Engine, Phase
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -64,6 +64,12 @@ def snapshot(router: Router) -> dict[str, Any]:
                 "failures": dict(engine.failures),
                 "reported": _reported(engine),
                 "kv": _kv_use(engine),
+                # Producers only: handoffs dropped undelivered, and blocks still pinned.
+                "abandoned": (
+                    router.abandoned.summary(engine.id, now)
+                    if engine.serves(Phase.PREFILL)
+                    else None
+                ),
             }
             for engine in router.fleet.engines
         ],
