@@ -9,6 +9,8 @@ from typing import Any
 
 from narwhal.chaos.checks import (
     CLIENT_CLOSED,
+    AbandonedTotals,
+    add_journal_abandoned,
     line_problems,
     no_engine_problems,
     unavailable_reason,
@@ -55,6 +57,8 @@ class Tally:
         self.rules = Problems()
         self.views = Problems()
         self.no_engine = Problems()
+        # Abandoned handoffs per producer, summed over the journal's lines.
+        self.abandoned: dict[str, AbandonedTotals] = {}
 
     def id_of(self, sent: Sent) -> str:
         return f"{self._prefix}{sent.index}"
@@ -78,6 +82,7 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
+        add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
             self.unavailable[line["status"], reason] += 1
