@@ -39,6 +39,8 @@ from narwhal.sim.options import SimOptions
 from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
 from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
+from narwhal.sim.steps import Decoding, StepLoop
+from narwhal.sim.timing import pull_seconds
 
 ZERO_INTERVAL_BATCH = 32
 """Tokens generated per transport write when there is no inter-token interval."""
@@ -104,6 +106,7 @@ class _Launch:
     prefix_cache: PrefixCache
     faults: ArmedFaults
     counters: _Counters
+    steps: StepLoop
 
 
 class SimEngine:
@@ -310,7 +313,7 @@ class SimEngine:
                 empty_probability=options.empty_token_probability,
             )
             await output.begin()
-            cut_short = await self._generate(launch, generation, output, fault)
+            cut_short = await self._generate(launch, prompt.tokens, generation, output, fault)
             if cut_short is not None:
                 return cut_short
             launch.counters.generation_tokens += generation.completion_tokens
@@ -382,10 +385,10 @@ class SimEngine:
         counters.local_compute += compute_tokens
         counters.local_cache_hit += min(local_tokens, len(tokens) - compute_tokens)
         counters.external_kv_transfer += max(0, len(tokens) - compute_tokens - local_tokens)
-        await asyncio.sleep(
-            options.request_overhead_s
-            + compute_tokens * options.prefill_s_per_token * self._slowdown(launch)
-        )
+        # The frontend's share (HTTP, tokenizing) comes first; the prompt then joins the
+        # engine's steps, sharing their token budget with other prompts and the decodes.
+        await asyncio.sleep(options.request_overhead_s / options.speed)
+        await launch.steps.prefill(compute_tokens)
         launch.prefix_cache.add(digests[:full_blocks])
         return _Prompt(digests, len(tokens), min(local_tokens, len(tokens) - compute_tokens))
 
@@ -455,8 +458,10 @@ class SimEngine:
         if len(block_ids) != len(digests):
             raise PullError(f"{len(block_ids)} blocks offered, the prompt has {len(digests)}")
         request_id = params.get("remote_request_id")
+        options = self.options
         await asyncio.sleep(
-            fault.kv_pull_delay_s + len(block_ids) * self.options.kv_pull_s_per_block
+            fault.kv_pull_delay_s
+            + pull_seconds(options.pull_costs, len(block_ids), options.kv_block_size)
         )
         if fault.kv_pull_fail:
             raise PullError("simulated fault: KV pull failed")
@@ -471,10 +476,26 @@ class SimEngine:
             raise PullError("pulled blocks do not match the prompt")
 
     async def _generate(
-        self, launch: _Launch, generation: Generation, output: Output, fault: Fault
+        self,
+        launch: _Launch,
+        prompt_tokens: int,
+        generation: Generation,
+        output: Output,
+        fault: Fault,
     ) -> web.StreamResponse | None:
         """Generate until finished; a fault that ends the request early returns its answer."""
+        # Token 0 comes out of the prefill; every later token costs one decode step.
+        decoding = launch.steps.decode(prompt_tokens + 1, generation.max_tokens - 1)
+        try:
+            return await self._stream_tokens(decoding, generation, output, fault)
+        finally:
+            decoding.leave()
+
+    async def _stream_tokens(
+        self, decoding: Decoding, generation: Generation, output: Output, fault: Fault
+    ) -> web.StreamResponse | None:
         marks = [k for k in (fault.silence_after, fault.close_after, fault.error_after) if k]
+        paced = not self.options.step_costs.decode_is_free
         while generation.finish_reason is None:
             sent = generation.completion_tokens
             if sent == 0 and fault.done_before_token and output.streaming:
@@ -491,18 +512,13 @@ class SimEngine:
             # per write when they are not, everything at once when nobody watches the stream.
             count = min((k for k in marks if k > sent), default=generation.max_tokens) - sent
             if output.streaming:
-                count = min(count, 1 if self.options.inter_token_s else ZERO_INTERVAL_BATCH)
+                count = min(count, 1 if paced else ZERO_INTERVAL_BATCH)
             texts: list[str] = []
             while len(texts) < count and generation.finish_reason is None:
                 texts.append(generation.step())
-            # Token 0 comes out of the prefill; every later token costs one decode step.
-            await self._decode_steps(launch, len(texts) - (sent == 0))
+            await decoding.tokens(len(texts) - (sent == 0))
             await output.tokens(texts, generation)
         return None
-
-    async def _decode_steps(self, launch: _Launch, steps: int) -> None:
-        """Wait out decode steps; with no interval, still let other streams run."""
-        await asyncio.sleep(steps * self.options.inter_token_s * self._slowdown(launch))
 
     async def _silence(self, output: Output, fault: Fault) -> None:
         if not fault.silence_metadata:
@@ -512,10 +528,6 @@ class SimEngine:
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             await asyncio.sleep(min(KEEP_ALIVE_INTERVAL_S, left))
             await output.keep_alive()
-
-    def _slowdown(self, launch: _Launch) -> float:
-        """Steps get slower as more sequences share the batch."""
-        return 1 + self.options.slowdown_per_seq * max(0, launch.scheduler.running - 1)
 
     def _hold_for_pull(
         self,
@@ -619,6 +631,7 @@ class SimEngine:
             task.cancel()
         self._side_channel.abort()
         self._launch.holds.drop_all()
+        self._launch.steps.close()
 
     async def _settle(self) -> None:
         """Give aborted connections' handlers a moment to see the loss and clean up."""
@@ -637,6 +650,7 @@ class SimEngine:
             prefix_cache=PrefixCache(options.num_kv_blocks),
             faults=ArmedFaults(options.faults),
             counters=counters,
+            steps=StepLoop(options.step_costs),
         )
 
     # -- routes ----------------------------------------------------------------------------
