@@ -9,14 +9,13 @@ so a crash drops it and a restart builds a new one on the same ports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import math
 import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,22 +24,21 @@ from aiohttp import web
 
 from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.sim.handoff import descriptor, pull_prompt, renewing_lease
 from narwhal.sim.kv import (
     HeldBlocks,
     PrefixCache,
     PullError,
     SideChannel,
     block_digests,
-    pull_blocks,
-    renew_lease_every,
 )
+from narwhal.sim.metrics import Counters, render_metrics
 from narwhal.sim.model import Generation
 from narwhal.sim.options import SimOptions
 from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
 from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
 from narwhal.sim.steps import Decoding, StepLoop
-from narwhal.sim.timing import pull_seconds
 
 ZERO_INTERVAL_BATCH = 32
 """Tokens generated per transport write when there is no inter-token interval."""
@@ -70,22 +68,6 @@ class Received:
         return orjson.loads(self.raw)
 
 
-@dataclass(slots=True)
-class _Counters:
-    """What `/metrics` counts, as vLLM 0.32 names it: prompt tokens by where their KV came
-    from (`vllm:prompt_tokens_by_source`) and the NixlConnector's failed and expired pulls."""
-
-    local_compute: int = 0
-    local_cache_hit: int = 0
-    external_kv_transfer: int = 0
-    generation_tokens: int = 0
-    nixl_failed_transfers: int = 0
-    nixl_expired_requests: int = 0
-
-    def expired(self) -> None:
-        self.nixl_expired_requests += 1
-
-
 @dataclass(frozen=True, slots=True)
 class _Prompt:
     """A processed prompt: its block digests and where its tokens' KV came from."""
@@ -105,7 +87,7 @@ class _Launch:
     holds: HeldBlocks
     prefix_cache: PrefixCache
     faults: ArmedFaults
-    counters: _Counters
+    counters: Counters
     steps: StepLoop
 
 
@@ -296,7 +278,8 @@ class SimEngine:
         seat: Seat | None = None
         try:
             await output.open()
-            async with self._renewing_lease(inference):
+            lease_params = inference.kv_transfer_params if inference.is_remote_decode else None
+            async with renewing_lease(lease_params, options.kv_lease_s):
                 seat = await launch.scheduler.admit(blocks)
             try:
                 prompt = await self._process_prompt(launch, inference, fault, response_id)
@@ -373,7 +356,14 @@ class SimEngine:
         if inference.is_remote_decode:
             assert inference.kv_transfer_params is not None
             try:
-                await self._pull(inference.kv_transfer_params, fault, digests, response_id)
+                await pull_prompt(
+                    inference.kv_transfer_params,
+                    digests,
+                    response_id,
+                    fault=fault,
+                    costs=options.pull_costs,
+                    block_size=block_size,
+                )
                 # The pulled blocks cover the prompt; the last token is recomputed.
                 cached_tokens = len(tokens)
             except PullError as exc:
@@ -413,67 +403,6 @@ class SimEngine:
         if options.reasoning_tokens and inference.route == "chat":
             reasoning = min(options.reasoning_tokens, generation.completion_tokens)
         return Usage(len(inference.prompt_tokens), generation.completion_tokens, cached, reasoning)
-
-    @contextlib.asynccontextmanager
-    async def _renewing_lease(self, inference: InferenceRequest) -> AsyncIterator[None]:
-        """While a decode waits for a seat, keep the producer's blocks: as vLLM's consumer
-        sends heartbeats every sixth of the lease until it loads the KV."""
-        params = inference.kv_transfer_params
-        if not inference.is_remote_decode or params is None:
-            yield
-            return
-        host, port = params.get("remote_host"), params.get("remote_port")
-        engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
-        if not (
-            isinstance(host, str)
-            and type(port) is int
-            and isinstance(engine_id, str)
-            and isinstance(request_id, str)
-        ):
-            yield
-            return
-        interval = self.options.kv_lease_s / 6
-        heartbeat = asyncio.create_task(
-            renew_lease_every(interval, host, port, engine_id, request_id)
-        )
-        try:
-            yield
-        finally:
-            heartbeat.cancel()
-
-    async def _pull(
-        self,
-        params: Mapping[str, object],
-        fault: Fault,
-        digests: list[bytes],
-        response_id: str,
-    ) -> None:
-        """Pull the prompt's blocks from the producer named by the descriptor and check them."""
-        host, port = params.get("remote_host"), params.get("remote_port")
-        engine_id, block_ids = params.get("remote_engine_id"), _flat_block_ids(params)
-        if not isinstance(host, str) or not isinstance(port, int) or not isinstance(engine_id, str):
-            raise PullError("malformed descriptor: remote_host, remote_port, remote_engine_id")
-        if block_ids is None:
-            raise PullError("malformed descriptor: remote_block_ids")
-        if len(block_ids) != len(digests):
-            raise PullError(f"{len(block_ids)} blocks offered, the prompt has {len(digests)}")
-        request_id = params.get("remote_request_id")
-        options = self.options
-        await asyncio.sleep(
-            fault.kv_pull_delay_s
-            + pull_seconds(options.pull_costs, len(block_ids), options.kv_block_size)
-        )
-        if fault.kv_pull_fail:
-            raise PullError("simulated fault: KV pull failed")
-        pulled = await pull_blocks(
-            host,
-            port,
-            engine_id,
-            request_id if isinstance(request_id, str) else response_id,
-            block_ids,
-        )
-        if pulled != digests:
-            raise PullError("pulled blocks do not match the prompt")
 
     async def _generate(
         self,
@@ -541,8 +470,7 @@ class SimEngine:
         """A prefill keeps its prompt blocks for the consumer and describes them.
 
         Like vLLM, only a prefill that stopped on its length cap hands off; otherwise (or
-        with a malformed-descriptor fault) nothing is held. The descriptor has vLLM
-        0.32's members in its order (a pull-mode NixlConnector with one KV-cache group).
+        with a malformed-descriptor fault) nothing is held.
         """
         if generation.finish_reason != "length" or fault.descriptor == "null":
             return None
@@ -551,32 +479,17 @@ class SimEngine:
         if fault.descriptor is None:
             block_ids = launch.scheduler.release(seat, keep=len(digests))
             launch.holds.hold(response_id, block_ids, digests)
-        descriptor: dict[str, object] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            # One list per KV-cache group, as vLLM 0.32 sends them (one group here).
-            "remote_block_ids": [block_ids],
-            "remote_engine_id": launch.engine_id,
-            "remote_request_id": response_id,
-            "remote_host": self.options.resolved_side_channel_host,
-            "remote_port": self._side_channel_port,
-            "tp_size": self.options.tp_size,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": prompt.tokens,
-            # Only a consumer's own held blocks carry an expiry time; a producer's lease
-            # is renewed by heartbeats instead.
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": prompt.cached_tokens,
-        }
-        if fault.descriptor == "missing_engine_id":
-            del descriptor["remote_engine_id"]
-        elif fault.descriptor == "non_integer_block_ids":
-            descriptor["remote_block_ids"] = [[str(block_id) for block_id in block_ids]]
-        elif fault.descriptor == "negative_block_ids":
-            descriptor["remote_block_ids"] = [[-1 - block_id for block_id in block_ids]]
-        return descriptor
+        return descriptor(
+            block_ids=block_ids,
+            engine_id=launch.engine_id,
+            response_id=response_id,
+            host=self.options.resolved_side_channel_host,
+            port=self._side_channel_port,
+            tp_size=self.options.tp_size,
+            prompt_tokens=prompt.tokens,
+            cached_tokens=prompt.cached_tokens,
+            fault=fault,
+        )
 
     # -- faults that act on the whole engine -----------------------------------------------
 
@@ -641,7 +554,7 @@ class SimEngine:
     def _new_launch(self) -> _Launch:
         options = self.options
         scheduler = Scheduler(options.max_num_seqs, options.num_kv_blocks)
-        counters = _Counters()
+        counters = Counters()
         return _Launch(
             engine_id=options.engine_id or uuid.uuid4().hex,
             start_time=time.time(),
@@ -729,95 +642,10 @@ class SimEngine:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text with vLLM 0.32's series names and labels (a subset of them)."""
         launch = self._launch
-        scheduler, counters, options = launch.scheduler, launch.counters, self.options
-        labels = f'model_name="{options.model}",engine="0"'
-        lines: list[str] = []
-
-        def series(kind: str, name: str, help_text: str, values: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            suffix = "_total" if kind == "counter" else ""
-            lines.extend(f"{name}{suffix}{{{extra}}} {float(value)}" for extra, value in values)
-
-        series(
-            "gauge",
-            "vllm:num_requests_running",
-            "Requests in the running batch.",
-            [(labels, scheduler.running)],
-        )
-        series(
-            "gauge",
-            "vllm:num_requests_waiting",
-            "Requests waiting to be scheduled.",
-            [(labels, scheduler.waiting)],
-        )
-        series(
-            "gauge",
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 1 means 100 percent.",
-            [(labels, scheduler.kv_usage)],
-        )
-        # An info metric: a gauge at 1 whose labels are the cache configuration.
-        cache_config = (
-            f'block_size="{options.kv_block_size}",cache_dtype="auto",'
-            f'enable_prefix_caching="True",num_gpu_blocks="{options.num_kv_blocks}",'
-            'engine="0"'
-        )
-        series(
-            "gauge",
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            [(cache_config, 1)],
-        )
-        sources = {
-            "local_compute": counters.local_compute,
-            "local_cache_hit": counters.local_cache_hit,
-            "external_kv_transfer": counters.external_kv_transfer,
-        }
-        prompt_tokens = sum(sources.values())
-        series(
-            "counter",
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            [(labels, prompt_tokens)],
-        )
-        series(
-            "counter",
-            "vllm:prompt_tokens_by_source",
-            "Number of prompt tokens by source.",
-            [(f'{labels},source="{source}"', value) for source, value in sources.items()],
-        )
-        series(
-            "counter",
-            "vllm:prompt_tokens_cached",
-            "Number of cached prompt tokens (local + external).",
-            [(labels, prompt_tokens - counters.local_compute)],
-        )
-        series(
-            "counter",
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            [(labels, counters.generation_tokens)],
-        )
-        series(
-            "counter",
-            "vllm:nixl_num_failed_transfers",
-            "Number of failed NIXL KV Cache transfers.",
-            [(labels, counters.nixl_failed_transfers)],
-        )
-        series(
-            "counter",
-            "vllm:nixl_num_kv_expired_reqs",
-            "Number of requests that had their KV expire.",
-            [(labels, counters.nixl_expired_requests)],
-        )
-        lines += [
-            "# HELP process_start_time_seconds Start time of the process since unix epoch.",
-            "# TYPE process_start_time_seconds gauge",
-            f"process_start_time_seconds {launch.start_time}",
-        ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        options, counters = self.options, launch.counters
+        text = render_metrics(options, launch.scheduler, counters, launch.start_time)
+        return web.Response(text=text, content_type="text/plain")
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return _json(self._launch.faults.to_json())
@@ -843,15 +671,3 @@ _NO_FAULT = Fault()
 
 def _json(value: object) -> web.Response:
     return web.Response(body=orjson.dumps(value), content_type="application/json")
-
-
-def _flat_block_ids(params: Mapping[str, object]) -> list[int] | None:
-    """Block ids as one list (a descriptor may give one list per KV-cache group)."""
-    block_ids = params.get("remote_block_ids")
-    if isinstance(block_ids, list) and block_ids and all(isinstance(g, list) for g in block_ids):
-        block_ids = [block_id for group in block_ids for block_id in group]
-    if not isinstance(block_ids, list) or not all(
-        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
-    ):
-        return None
-    return block_ids
