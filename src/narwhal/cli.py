@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from narwhal.goodput.command import add_goodput_arguments
     from narwhal.sim.options import add_sim_arguments
 
     parser = argparse.ArgumentParser(prog="narwhal", description=__doc__)
@@ -72,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
     chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
     chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
+
+    goodput = sub.add_parser(
+        "goodput",
+        help="replay a load trace over every static prefill/decode split of simulated engines",
+    )
+    add_goodput_arguments(goodput)
 
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
@@ -168,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
             concurrency=args.concurrency,
         )
         sys.exit(runtime.run(chaos_command(options)))
+    if args.command == "goodput":
+        from narwhal.goodput.command import goodput_command
+
+        sys.exit(runtime.run(goodput_command(args)))
     if args.command == "reload":
         from narwhal.reload import reload_command
 

@@ -441,7 +441,9 @@ class SimEngine:
             # per write when they are not, everything at once when nobody watches the stream.
             count = min((k for k in marks if k > sent), default=generation.max_tokens) - sent
             if output.streaming:
-                count = min(count, 1 if paced else ZERO_INTERVAL_BATCH)
+                # Paced: the tokens already made (one, unless the stream fell behind and
+                # they piled up, as vLLM's output collector merges them too).
+                count = min(count, max(1, decoding.ready) if paced else ZERO_INTERVAL_BATCH)
             texts: list[str] = []
             while len(texts) < count and generation.finish_reason is None:
                 texts.append(generation.step())

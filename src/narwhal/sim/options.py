@@ -270,9 +270,9 @@ def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def profile_options(name: str, **overrides: Any) -> SimOptions:
+def profile_options(preset: str, /, **overrides: Any) -> SimOptions:
     """SimOptions with a preset profile's values, then `overrides`."""
-    values: dict[str, Any] = dict(profile(name))
+    values: dict[str, Any] = dict(profile(preset))
     values.update(overrides)
     return SimOptions(**values)
 
