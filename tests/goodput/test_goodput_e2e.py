@@ -9,7 +9,7 @@ Nothing is decided by the test: the splits are run and scored as `narwhal goodpu
 
 from __future__ import annotations
 
-from narwhal.goodput.replay import FleetProcess, run_split
+from narwhal.goodput.replay import KV_LEASE_S, FleetProcess, run_split
 from narwhal.goodput.score import ALL, Slo, best_split, split_stats
 from narwhal.goodput.traces import generate, phase_durations
 
@@ -20,6 +20,7 @@ FIELDS = {
     "inter_token_s": 0.01,
     "slowdown_per_seq": 0.1,
     "kv_pull_s_per_block": 0.0,
+    "kv_lease_s": KV_LEASE_S,
 }
 SLO = Slo(ttft_s=0.6, tpot_s=0.014)
 DURATION_S = 3.0

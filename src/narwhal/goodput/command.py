@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from narwhal.goodput.capacity import suggested_rate
-from narwhal.goodput.replay import FleetProcess, SplitRun, run_split
+from narwhal.goodput.replay import KV_LEASE_S, FleetProcess, SplitRun, run_split
 from narwhal.goodput.report import document, plot, table
 from narwhal.goodput.score import PhaseStats, Slo, default_slo, split_stats
 from narwhal.goodput.traces import SHAPES, TraceRequest, generate, parse_jsonl, phase_durations
@@ -95,7 +95,7 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     durations = phase_durations(trace, duration)
     results: Results = {}
     runs: list[dict[str, Any]] = []
-    fields = {"profile": args.profile, "speed": args.speed}
+    fields = {"profile": args.profile, "speed": args.speed, "kv_lease_s": KV_LEASE_S}
     async with FleetProcess(args.engines, fields) as fleet:
         for prefill in splits:
             run: SplitRun = await run_split(fleet, prefill, trace, args.speed)

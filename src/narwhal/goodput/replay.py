@@ -28,6 +28,9 @@ from narwhal.router.app import RouterServer
 from narwhal.sim.model import VOCAB_SIZE
 
 MODEL = "narwhal-sim"
+KV_LEASE_S = 600.0
+"""Engines and router hold handed-off KV this long (vLLM's 30 s would expire handoffs that
+an overloaded split keeps waiting, and the lease does not scale with the replay speed)."""
 
 
 class FleetProcess:
@@ -91,8 +94,9 @@ class SplitRun:
 def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
     """The router for one split: the first `prefill` engines prefill, the rest decode.
 
-    Timeouts are generous and seats unlimited, so an overloaded split shows as latency
-    (and missed SLOs) rather than as refusals.
+    Timeouts and KV leases are long, seats unlimited and the breaker patient, so an
+    overloaded split shows as latency (and missed SLOs) rather than as refusals, expired
+    handoffs or ejected engines: the experiment is about capacity, not recovery.
     """
     return {
         "model": MODEL,
@@ -102,7 +106,9 @@ def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
             "prefill_timeout_s": 300.0,
             "decode_read_timeout_s": 0.0,
             "metrics_interval_s": 1.0,
+            "kv_lease_s": KV_LEASE_S,
         },
+        "recovery": {"eject_after": 1_000_000},
         "serving": {"request_timeout_s": 600.0, "queue_capacity": 100000},
         "engines": [
             {

@@ -9,9 +9,12 @@ and with the tokens actually written, never with per-request timers.
 from __future__ import annotations
 
 import asyncio
-import math
 
 from narwhal.sim.timing import StepCosts, plan_step, step_seconds
+
+MAX_CATCH_UP_S = 0.05
+"""How late a step may start and still end when planned: steps keep to a timeline, so the
+event loop's own latency does not add to every step, but a long stall is not made up."""
 
 
 class _PromptWork:
@@ -84,6 +87,7 @@ class StepLoop:
         self._prompts: dict[_PromptWork, None] = {}
         self._decoding: dict[Decoding, None] = {}
         self._task: asyncio.Task[None] | None = None
+        self._due = 0.0  # when the step running (or the last one) ends, on the loop's clock
         self.steps = 0
 
     async def prefill(self, tokens: int) -> None:
@@ -130,6 +134,7 @@ class StepLoop:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        self._due = asyncio.get_running_loop().time()
         try:
             while self._prompts or self._decoding:
                 await self._step()
@@ -145,7 +150,9 @@ class StepLoop:
             self.costs.max_num_batched_tokens,
         )
         seconds = step_seconds(self.costs, plan)
-        await asyncio.sleep(seconds if math.isfinite(seconds) else 0.0)
+        now = asyncio.get_running_loop().time()
+        self._due = max(self._due, now - MAX_CATCH_UP_S) + seconds
+        await asyncio.sleep(max(0.0, self._due - now))
         self.steps += 1
         for work, chunk in zip(prompts, plan.chunks, strict=True):
             if work not in self._prompts or not chunk:
