@@ -50,6 +50,10 @@ KEEPALIVE_TIMEOUT_S = 5.0
 """vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
 
 
+LISTEN_BACKLOG = 2048
+"""uvicorn's (so vLLM's) listen backlog; asyncio's default of 100 drops connections in a
+burst of requests, which a GPU engine's server would have queued."""
+
 RECEIVED_KEPT = 1024
 """How many recent inference requests an engine remembers for inspection."""
 
@@ -521,6 +525,7 @@ class SimEngine:
             self._port,
             reuse_address=True,
             ssl=self._ssl_context,
+            backlog=LISTEN_BACKLOG,
         )
         self._port = self._http.sockets[0].getsockname()[1]
         if self._on_listening is not None:

@@ -87,7 +87,7 @@ class StepLoop:
         self._prompts: dict[_PromptWork, None] = {}
         self._decoding: dict[Decoding, None] = {}
         self._task: asyncio.Task[None] | None = None
-        self._due = 0.0  # when the step running (or the last one) ends, on the loop's clock
+        self._due: float | None = None  # when the running (or last) step ends; None: idle
         self.steps = 0
 
     async def prefill(self, tokens: int) -> None:
@@ -134,7 +134,7 @@ class StepLoop:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        self._due = asyncio.get_running_loop().time()
+        self._due = None
         try:
             while self._prompts or self._decoding:
                 await self._step()
@@ -151,7 +151,8 @@ class StepLoop:
         )
         seconds = step_seconds(self.costs, plan)
         now = asyncio.get_running_loop().time()
-        self._due = max(self._due, now - MAX_CATCH_UP_S) + seconds
+        start = now if self._due is None else max(self._due, now - MAX_CATCH_UP_S)
+        self._due = start + seconds
         await asyncio.sleep(max(0.0, self._due - now))
         self.steps += 1
         for work, chunk in zip(prompts, plan.chunks, strict=True):
