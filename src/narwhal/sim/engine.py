@@ -9,7 +9,6 @@ so a crash drops it and a restart builds a new one on the same ports.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import ssl
 import time
@@ -23,19 +22,19 @@ import orjson
 from aiohttp import web
 
 from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
+from narwhal.sim.describe import fingerprint, identity, models
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
-from narwhal.sim.handoff import descriptor, pull_prompt, renewing_lease
+from narwhal.sim.handoff import descriptor, renewing_lease
 from narwhal.sim.kv import (
     HeldBlocks,
     PrefixCache,
-    PullError,
     SideChannel,
-    block_digests,
 )
 from narwhal.sim.metrics import Counters, render_metrics
 from narwhal.sim.model import Generation
 from narwhal.sim.options import SimOptions
 from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
+from narwhal.sim.prompt import Prompt, process_prompt
 from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
 from narwhal.sim.steps import Decoding, StepLoop
@@ -70,15 +69,6 @@ class Received:
     @property
     def body(self) -> Any:
         return orjson.loads(self.raw)
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """A processed prompt: its block digests and where its tokens' KV came from."""
-
-    digests: list[bytes]
-    tokens: int
-    cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -183,11 +173,7 @@ class SimEngine:
 
     @property
     def fingerprint(self) -> str:
-        """`system_fingerprint`, shaped as vLLM 0.32's default: version and a config hash."""
-        options = self.options
-        config = f"{options.model}|{options.kv_block_size}|{options.tp_size}|{options.device}"
-        digest = hashlib.blake2b(config.encode(), digest_size=4).hexdigest()
-        return f"vllm-{options.version}-{digest}"
+        return fingerprint(self.options)
 
     # -- faults and observation ------------------------------------------------------------
 
@@ -286,7 +272,15 @@ class SimEngine:
             async with renewing_lease(lease_params, options.kv_lease_s):
                 seat = await launch.scheduler.admit(blocks)
             try:
-                prompt = await self._process_prompt(launch, inference, fault, response_id)
+                prompt = await process_prompt(
+                    options,
+                    inference,
+                    fault,
+                    response_id,
+                    prefix_cache=launch.prefix_cache,
+                    counters=launch.counters,
+                    steps=launch.steps,
+                )
             except ApiError as error:
                 return await output.fail(error)
             if fault.first_token_delay_s:
@@ -346,47 +340,7 @@ class SimEngine:
             )
         return blocks
 
-    async def _process_prompt(
-        self, launch: _Launch, inference: InferenceRequest, fault: Fault, response_id: str
-    ) -> _Prompt:
-        """Pay for the prompt (pull, cache hit or compute) and count where its KV came from."""
-        options = self.options
-        block_size = options.kv_block_size
-        tokens = inference.prompt_tokens
-        digests = block_digests(tokens, block_size)
-        full_blocks = len(tokens) // block_size
-        local_tokens = launch.prefix_cache.cached_blocks(digests[:full_blocks]) * block_size
-        cached_tokens = local_tokens
-        if inference.is_remote_decode:
-            assert inference.kv_transfer_params is not None
-            try:
-                await pull_prompt(
-                    inference.kv_transfer_params,
-                    digests,
-                    response_id,
-                    fault=fault,
-                    costs=options.pull_costs,
-                    block_size=block_size,
-                )
-                # The pulled blocks cover the prompt; the last token is recomputed.
-                cached_tokens = len(tokens)
-            except PullError as exc:
-                launch.counters.nixl_failed_transfers += 1
-                if options.kv_load_failure_policy == "fail":
-                    raise ApiError(500, f"KV transfer failed: {exc}") from exc
-        compute_tokens = max(1, len(tokens) - cached_tokens)
-        counters = launch.counters
-        counters.local_compute += compute_tokens
-        counters.local_cache_hit += min(local_tokens, len(tokens) - compute_tokens)
-        counters.external_kv_transfer += max(0, len(tokens) - compute_tokens - local_tokens)
-        # The frontend's share (HTTP, tokenizing) comes first; the prompt then joins the
-        # engine's steps, sharing their token budget with other prompts and the decodes.
-        await asyncio.sleep(options.request_overhead_s / options.speed)
-        await launch.steps.prefill(compute_tokens)
-        launch.prefix_cache.add(digests[:full_blocks])
-        return _Prompt(digests, len(tokens), min(local_tokens, len(tokens) - compute_tokens))
-
-    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: _Prompt) -> Usage:
+    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: Prompt) -> Usage:
         """The request's usage as vLLM 0.32 reports it.
 
         Cached tokens (only with `enable_prompt_tokens_details`) are the local prefix-cache
@@ -469,7 +423,7 @@ class SimEngine:
         launch: _Launch,
         seat: Seat,
         generation: Generation,
-        prompt: _Prompt,
+        prompt: Prompt,
         response_id: str,
         fault: Fault,
     ) -> dict[str, object] | None:
@@ -606,47 +560,14 @@ class SimEngine:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.options.model,
-            "object": "model",
-            "created": int(self._launch.start_time),
-            "owned_by": "vllm",
-            "root": self.options.model,
-            "parent": None,
-            "max_model_len": self.options.max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{self._launch.engine_id[:16]}",
-                    "object": "model_permission",
-                    "created": int(self._launch.start_time),
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
-        return _json({"object": "list", "data": [model]})
+        launch = self._launch
+        return _json(models(self.options, launch.engine_id, launch.start_time))
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": self.options.version})
 
     async def _identity(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "engine_version": self.options.version,
-                "model": self.options.model,
-                "connector": "NixlConnector",
-                "block_size": self.options.kv_block_size,
-                "tp_size": self.options.tp_size,
-                "engine_id": self.engine_id,
-            }
-        )
+        return _json(identity(self.options, self.engine_id))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         launch = self._launch
