@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from narwhal.goodput.capacity import engine_seconds, suggested_rate
+from narwhal.goodput.command import add_goodput_arguments, load_trace, splits_of
 from narwhal.goodput.score import (
     ALL,
     Outcome,
@@ -19,7 +22,7 @@ from narwhal.goodput.score import (
     phase_stats,
     split_stats,
 )
-from narwhal.goodput.traces import DECODE_HEAVY, PREFILL_HEAVY
+from narwhal.goodput.traces import DECODE_HEAVY, PREFILL_HEAVY, TraceRequest, to_jsonl
 from narwhal.sim.options import profile_options
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
@@ -99,3 +102,30 @@ def test_the_suggested_rate_grows_with_engines_and_shrinks_with_longer_work() ->
     )
     assert engine_seconds(costs, PREFILL_HEAVY) > 0.05  # ~3000 prompt tokens of compute
     assert engine_seconds(costs, DECODE_HEAVY) > 0
+
+
+def test_splits_default_to_every_static_split_and_are_checked() -> None:
+    assert splits_of(None, 4) == [1, 2, 3]
+    assert splits_of("3,1,1", 4) == [1, 3]
+    for bad in ("0", "4", ""):
+        with pytest.raises(ValueError, match=r"1\.\.3"):
+            splits_of(bad, 4)
+
+
+def test_a_jsonl_trace_file_is_read_as_given(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(to_jsonl([TraceRequest(0.5, 10, 3, "a"), TraceRequest(2.0, 20, 4, "b")]))
+    parser = argparse.ArgumentParser()
+    add_goodput_arguments(parser)
+    trace, duration = load_trace(parser.parse_args(["--trace", str(path)]))
+    assert [r.phase for r in trace] == ["a", "b"] and duration == 2.0
+
+
+def test_a_shape_without_a_rate_arrives_near_the_fleet_capacity() -> None:
+    parser = argparse.ArgumentParser()
+    add_goodput_arguments(parser)
+    args = parser.parse_args(["--trace", "prefill-heavy", "--duration", "100", "--engines", "4"])
+    trace, _ = load_trace(args)
+    costs = profile_options("llama-3.1-8b-h100").step_costs
+    expected = 100 * suggested_rate(costs, 4, PREFILL_HEAVY)
+    assert 0.8 * expected < len(trace) < 1.2 * expected
