@@ -49,15 +49,18 @@ async def main(args: argparse.Namespace) -> None:
                     totals[index] += await _stream(session, url, args.prompt, args.output)
 
             cpu_before = await fleet.cpu_seconds()
+            client_before = time.process_time()
             started = time.monotonic()
             await asyncio.gather(*(client(i) for i in range(args.streams)))
             wall = time.monotonic() - started
             engine_cpu = await fleet.cpu_seconds() - cpu_before
+            client_cpu = time.process_time() - client_before
     tokens = sum(totals)
     print(
         f"{args.engines} engines ({args.profile}), {args.streams} streams, {wall:.1f} s wall: "
         f"{tokens} tokens ({tokens / wall:.0f}/s, {tokens / wall / args.streams:.1f}/s a "
-        f"stream); engine CPU {engine_cpu:.1f} s = {engine_cpu / wall:.2f} of a core"
+        f"stream); engine CPU {engine_cpu:.1f} s = {engine_cpu / wall:.2f} of a core, "
+        f"client CPU {client_cpu:.1f} s = {client_cpu / wall:.2f} of a core"
     )
 
 
