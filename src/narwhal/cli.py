@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from narwhal.goodput.command import add_goodput_arguments
     from narwhal.sim.options import add_sim_arguments
 
     parser = argparse.ArgumentParser(prog="narwhal", description=__doc__)
@@ -83,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--interval", type=_span, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
+
+    goodput = sub.add_parser(
+        "goodput",
+        help="replay a load trace over every static prefill/decode split of simulated engines",
+    )
+    add_goodput_arguments(goodput)
 
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
@@ -179,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
             concurrency=args.concurrency,
         )
         sys.exit(runtime.run(chaos_command(options)))
+    if args.command == "goodput":
+        from narwhal.goodput.command import goodput_command
+
+        sys.exit(runtime.run(goodput_command(args)))
     if args.command == "reload":
         from narwhal.reload import reload_command
 

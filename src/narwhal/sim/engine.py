@@ -9,14 +9,12 @@ so a crash drops it and a restart builds a new one on the same ports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import math
 import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,21 +22,22 @@ import orjson
 from aiohttp import web
 
 from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
+from narwhal.sim.describe import fingerprint, identity, models
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.sim.handoff import descriptor, renewing_lease
 from narwhal.sim.kv import (
     HeldBlocks,
     PrefixCache,
-    PullError,
     SideChannel,
-    block_digests,
-    pull_blocks,
-    renew_lease_every,
 )
+from narwhal.sim.metrics import Counters, render_metrics
 from narwhal.sim.model import Generation
 from narwhal.sim.options import SimOptions
 from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
+from narwhal.sim.prompt import Prompt, process_prompt
 from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
+from narwhal.sim.steps import Decoding, StepLoop
 
 ZERO_INTERVAL_BATCH = 32
 """Tokens generated per transport write when there is no inter-token interval."""
@@ -49,6 +48,10 @@ KEEP_ALIVE_INTERVAL_S = 0.1
 KEEPALIVE_TIMEOUT_S = 5.0
 """vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
 
+
+LISTEN_BACKLOG = 2048
+"""uvicorn's (so vLLM's) listen backlog; asyncio's default of 100 drops connections in a
+burst of requests, which a GPU engine's server would have queued."""
 
 RECEIVED_KEPT = 1024
 """How many recent inference requests an engine remembers for inspection."""
@@ -72,31 +75,6 @@ class Received:
 
 
 @dataclass(slots=True)
-class _Counters:
-    """What `/metrics` counts, as vLLM 0.32 names it: prompt tokens by where their KV came
-    from (`vllm:prompt_tokens_by_source`) and the NixlConnector's failed and expired pulls."""
-
-    local_compute: int = 0
-    local_cache_hit: int = 0
-    external_kv_transfer: int = 0
-    generation_tokens: int = 0
-    nixl_failed_transfers: int = 0
-    nixl_expired_requests: int = 0
-
-    def expired(self) -> None:
-        self.nixl_expired_requests += 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """A processed prompt: its block digests and where its tokens' KV came from."""
-
-    digests: list[bytes]
-    tokens: int
-    cached_tokens: int
-
-
-@dataclass(slots=True)
 class _Launch:
     """What one engine process owns; a crash discards it, a restart makes a new one."""
 
@@ -106,7 +84,8 @@ class _Launch:
     holds: HeldBlocks
     prefix_cache: PrefixCache
     faults: ArmedFaults
-    counters: _Counters
+    counters: Counters
+    steps: StepLoop
 
 
 class SimEngine:
@@ -197,11 +176,7 @@ class SimEngine:
 
     @property
     def fingerprint(self) -> str:
-        """`system_fingerprint`, shaped as vLLM 0.32's default: version and a config hash."""
-        options = self.options
-        config = f"{options.model}|{options.kv_block_size}|{options.tp_size}|{options.device}"
-        digest = hashlib.blake2b(config.encode(), digest_size=4).hexdigest()
-        return f"vllm-{options.version}-{digest}"
+        return fingerprint(self.options)
 
     # -- faults and observation ------------------------------------------------------------
 
@@ -298,10 +273,19 @@ class SimEngine:
         seat: Seat | None = None
         try:
             await output.open()
-            async with self._renewing_lease(inference):
+            lease_params = inference.kv_transfer_params if inference.is_remote_decode else None
+            async with renewing_lease(lease_params, options.kv_lease_s):
                 seat = await launch.scheduler.admit(blocks)
             try:
-                prompt = await self._process_prompt(launch, inference, fault, response_id)
+                prompt = await process_prompt(
+                    options,
+                    inference,
+                    fault,
+                    response_id,
+                    prefix_cache=launch.prefix_cache,
+                    counters=launch.counters,
+                    steps=launch.steps,
+                )
             except ApiError as error:
                 return await output.fail(error)
             if fault.first_token_delay_s:
@@ -315,7 +299,7 @@ class SimEngine:
                 empty_probability=options.empty_token_probability,
             )
             await output.begin()
-            cut_short = await self._generate(launch, generation, output, fault)
+            cut_short = await self._generate(launch, prompt.tokens, generation, output, fault)
             if cut_short is not None:
                 return cut_short
             launch.counters.generation_tokens += generation.completion_tokens
@@ -361,40 +345,7 @@ class SimEngine:
             )
         return blocks
 
-    async def _process_prompt(
-        self, launch: _Launch, inference: InferenceRequest, fault: Fault, response_id: str
-    ) -> _Prompt:
-        """Pay for the prompt (pull, cache hit or compute) and count where its KV came from."""
-        options = self.options
-        block_size = options.kv_block_size
-        tokens = inference.prompt_tokens
-        digests = block_digests(tokens, block_size)
-        full_blocks = len(tokens) // block_size
-        local_tokens = launch.prefix_cache.cached_blocks(digests[:full_blocks]) * block_size
-        cached_tokens = local_tokens
-        if inference.is_remote_decode:
-            assert inference.kv_transfer_params is not None
-            try:
-                await self._pull(inference.kv_transfer_params, fault, digests, response_id)
-                # The pulled blocks cover the prompt; the last token is recomputed.
-                cached_tokens = len(tokens)
-            except PullError as exc:
-                launch.counters.nixl_failed_transfers += 1
-                if options.kv_load_failure_policy == "fail":
-                    raise ApiError(500, f"KV transfer failed: {exc}") from exc
-        compute_tokens = max(1, len(tokens) - cached_tokens)
-        counters = launch.counters
-        counters.local_compute += compute_tokens
-        counters.local_cache_hit += min(local_tokens, len(tokens) - compute_tokens)
-        counters.external_kv_transfer += max(0, len(tokens) - compute_tokens - local_tokens)
-        await asyncio.sleep(
-            options.request_overhead_s
-            + compute_tokens * options.prefill_s_per_token * self._slowdown(launch)
-        )
-        launch.prefix_cache.add(digests[:full_blocks])
-        return _Prompt(digests, len(tokens), min(local_tokens, len(tokens) - compute_tokens))
-
-    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: _Prompt) -> Usage:
+    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: Prompt) -> Usage:
         """The request's usage as vLLM 0.32 reports it.
 
         Cached tokens (only with `enable_prompt_tokens_details`) are the local prefix-cache
@@ -416,70 +367,27 @@ class SimEngine:
             reasoning = min(options.reasoning_tokens, generation.completion_tokens)
         return Usage(len(inference.prompt_tokens), generation.completion_tokens, cached, reasoning)
 
-    @contextlib.asynccontextmanager
-    async def _renewing_lease(self, inference: InferenceRequest) -> AsyncIterator[None]:
-        """While a decode waits for a seat, keep the producer's blocks: as vLLM's consumer
-        sends heartbeats every sixth of the lease until it loads the KV."""
-        params = inference.kv_transfer_params
-        if not inference.is_remote_decode or params is None:
-            yield
-            return
-        host, port = params.get("remote_host"), params.get("remote_port")
-        engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
-        if not (
-            isinstance(host, str)
-            and type(port) is int
-            and isinstance(engine_id, str)
-            and isinstance(request_id, str)
-        ):
-            yield
-            return
-        interval = self.options.kv_lease_s / 6
-        heartbeat = asyncio.create_task(
-            renew_lease_every(interval, host, port, engine_id, request_id)
-        )
-        try:
-            yield
-        finally:
-            heartbeat.cancel()
-
-    async def _pull(
-        self,
-        params: Mapping[str, object],
-        fault: Fault,
-        digests: list[bytes],
-        response_id: str,
-    ) -> None:
-        """Pull the prompt's blocks from the producer named by the descriptor and check them."""
-        host, port = params.get("remote_host"), params.get("remote_port")
-        engine_id, block_ids = params.get("remote_engine_id"), _flat_block_ids(params)
-        if not isinstance(host, str) or not isinstance(port, int) or not isinstance(engine_id, str):
-            raise PullError("malformed descriptor: remote_host, remote_port, remote_engine_id")
-        if block_ids is None:
-            raise PullError("malformed descriptor: remote_block_ids")
-        if len(block_ids) != len(digests):
-            raise PullError(f"{len(block_ids)} blocks offered, the prompt has {len(digests)}")
-        request_id = params.get("remote_request_id")
-        await asyncio.sleep(
-            fault.kv_pull_delay_s + len(block_ids) * self.options.kv_pull_s_per_block
-        )
-        if fault.kv_pull_fail:
-            raise PullError("simulated fault: KV pull failed")
-        pulled = await pull_blocks(
-            host,
-            port,
-            engine_id,
-            request_id if isinstance(request_id, str) else response_id,
-            block_ids,
-        )
-        if pulled != digests:
-            raise PullError("pulled blocks do not match the prompt")
-
     async def _generate(
-        self, launch: _Launch, generation: Generation, output: Output, fault: Fault
+        self,
+        launch: _Launch,
+        prompt_tokens: int,
+        generation: Generation,
+        output: Output,
+        fault: Fault,
     ) -> web.StreamResponse | None:
         """Generate until finished; a fault that ends the request early returns its answer."""
+        # Token 0 comes out of the prefill; every later token costs one decode step.
+        decoding = launch.steps.decode(prompt_tokens + 1, generation.max_tokens - 1)
+        try:
+            return await self._stream_tokens(decoding, generation, output, fault)
+        finally:
+            decoding.leave()
+
+    async def _stream_tokens(
+        self, decoding: Decoding, generation: Generation, output: Output, fault: Fault
+    ) -> web.StreamResponse | None:
         marks = [k for k in (fault.silence_after, fault.close_after, fault.error_after) if k]
+        paced = not self.options.step_costs.decode_is_free
         while generation.finish_reason is None:
             sent = generation.completion_tokens
             if sent == 0 and fault.done_before_token and output.streaming:
@@ -496,18 +404,15 @@ class SimEngine:
             # per write when they are not, everything at once when nobody watches the stream.
             count = min((k for k in marks if k > sent), default=generation.max_tokens) - sent
             if output.streaming:
-                count = min(count, 1 if self.options.inter_token_s else ZERO_INTERVAL_BATCH)
+                # Paced: the tokens already made (one, unless the stream fell behind and
+                # they piled up, as vLLM's output collector merges them too).
+                count = min(count, max(1, decoding.ready) if paced else ZERO_INTERVAL_BATCH)
             texts: list[str] = []
             while len(texts) < count and generation.finish_reason is None:
                 texts.append(generation.step())
-            # Token 0 comes out of the prefill; every later token costs one decode step.
-            await self._decode_steps(launch, len(texts) - (sent == 0))
+            await decoding.tokens(len(texts) - (sent == 0))
             await output.tokens(texts, generation)
         return None
-
-    async def _decode_steps(self, launch: _Launch, steps: int) -> None:
-        """Wait out decode steps; with no interval, still let other streams run."""
-        await asyncio.sleep(steps * self.options.inter_token_s * self._slowdown(launch))
 
     async def _silence(self, output: Output, fault: Fault) -> None:
         if not fault.silence_metadata:
@@ -518,24 +423,19 @@ class SimEngine:
             await asyncio.sleep(min(KEEP_ALIVE_INTERVAL_S, left))
             await output.keep_alive()
 
-    def _slowdown(self, launch: _Launch) -> float:
-        """Steps get slower as more sequences share the batch."""
-        return 1 + self.options.slowdown_per_seq * max(0, launch.scheduler.running - 1)
-
     def _hold_for_pull(
         self,
         launch: _Launch,
         seat: Seat,
         generation: Generation,
-        prompt: _Prompt,
+        prompt: Prompt,
         response_id: str,
         fault: Fault,
     ) -> dict[str, object] | None:
         """A prefill keeps its prompt blocks for the consumer and describes them.
 
         Like vLLM, only a prefill that stopped on its length cap hands off; otherwise (or
-        with a malformed-descriptor fault) nothing is held. The descriptor has vLLM
-        0.32's members in its order (a pull-mode NixlConnector with one KV-cache group).
+        with a malformed-descriptor fault) nothing is held.
         """
         if generation.finish_reason != "length" or fault.descriptor == "null":
             return None
@@ -544,32 +444,17 @@ class SimEngine:
         if fault.descriptor is None:
             block_ids = launch.scheduler.release(seat, keep=len(digests))
             launch.holds.hold(response_id, block_ids, digests)
-        descriptor: dict[str, object] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            # One list per KV-cache group, as vLLM 0.32 sends them (one group here).
-            "remote_block_ids": [block_ids],
-            "remote_engine_id": launch.engine_id,
-            "remote_request_id": response_id,
-            "remote_host": self.options.resolved_side_channel_host,
-            "remote_port": self._side_channel_port,
-            "tp_size": self.options.tp_size,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": prompt.tokens,
-            # Only a consumer's own held blocks carry an expiry time; a producer's lease
-            # is renewed by heartbeats instead.
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": prompt.cached_tokens,
-        }
-        if fault.descriptor == "missing_engine_id":
-            del descriptor["remote_engine_id"]
-        elif fault.descriptor == "non_integer_block_ids":
-            descriptor["remote_block_ids"] = [[str(block_id) for block_id in block_ids]]
-        elif fault.descriptor == "negative_block_ids":
-            descriptor["remote_block_ids"] = [[-1 - block_id for block_id in block_ids]]
-        return descriptor
+        return descriptor(
+            block_ids=block_ids,
+            engine_id=launch.engine_id,
+            response_id=response_id,
+            host=self.options.resolved_side_channel_host,
+            port=self._side_channel_port,
+            tp_size=self.options.tp_size,
+            prompt_tokens=prompt.tokens,
+            cached_tokens=prompt.cached_tokens,
+            fault=fault,
+        )
 
     # -- faults that act on the whole engine -----------------------------------------------
 
@@ -599,6 +484,7 @@ class SimEngine:
             self._port,
             reuse_address=True,
             ssl=self._ssl_context,
+            backlog=LISTEN_BACKLOG,
         )
         self._port = self._http.sockets[0].getsockname()[1]
         if self._on_listening is not None:
@@ -624,6 +510,7 @@ class SimEngine:
             task.cancel()
         self._side_channel.abort()
         self._launch.holds.drop_all()
+        self._launch.steps.close()
 
     async def _settle(self) -> None:
         """Give aborted connections' handlers a moment to see the loss and clean up."""
@@ -633,7 +520,7 @@ class SimEngine:
     def _new_launch(self) -> _Launch:
         options = self.options
         scheduler = Scheduler(options.max_num_seqs, options.num_kv_blocks)
-        counters = _Counters()
+        counters = Counters()
         return _Launch(
             engine_id=options.engine_id or uuid.uuid4().hex,
             start_time=time.time(),
@@ -642,6 +529,7 @@ class SimEngine:
             prefix_cache=PrefixCache(options.num_kv_blocks),
             faults=ArmedFaults(options.faults),
             counters=counters,
+            steps=StepLoop(options.step_costs),
         )
 
     # -- routes ----------------------------------------------------------------------------
@@ -677,138 +565,20 @@ class SimEngine:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.options.model,
-            "object": "model",
-            "created": int(self._launch.start_time),
-            "owned_by": "vllm",
-            "root": self.options.model,
-            "parent": None,
-            "max_model_len": self.options.max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{self._launch.engine_id[:16]}",
-                    "object": "model_permission",
-                    "created": int(self._launch.start_time),
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
-        return _json({"object": "list", "data": [model]})
+        launch = self._launch
+        return _json(models(self.options, launch.engine_id, launch.start_time))
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": self.options.version})
 
     async def _identity(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "engine_version": self.options.version,
-                "model": self.options.model,
-                "connector": "NixlConnector",
-                "block_size": self.options.kv_block_size,
-                "tp_size": self.options.tp_size,
-                "engine_id": self.engine_id,
-            }
-        )
+        return _json(identity(self.options, self.engine_id))
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text with vLLM 0.32's series names and labels (a subset of them)."""
         launch = self._launch
-        scheduler, counters, options = launch.scheduler, launch.counters, self.options
-        labels = f'model_name="{options.model}",engine="0"'
-        lines: list[str] = []
-
-        def series(kind: str, name: str, help_text: str, values: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            suffix = "_total" if kind == "counter" else ""
-            lines.extend(f"{name}{suffix}{{{extra}}} {float(value)}" for extra, value in values)
-
-        series(
-            "gauge",
-            "vllm:num_requests_running",
-            "Requests in the running batch.",
-            [(labels, scheduler.running)],
-        )
-        series(
-            "gauge",
-            "vllm:num_requests_waiting",
-            "Requests waiting to be scheduled.",
-            [(labels, scheduler.waiting)],
-        )
-        series(
-            "gauge",
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 1 means 100 percent.",
-            [(labels, scheduler.kv_usage)],
-        )
-        # An info metric: a gauge at 1 whose labels are the cache configuration.
-        cache_config = (
-            f'block_size="{options.kv_block_size}",cache_dtype="auto",'
-            f'enable_prefix_caching="True",num_gpu_blocks="{options.num_kv_blocks}",'
-            'engine="0"'
-        )
-        series(
-            "gauge",
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            [(cache_config, 1)],
-        )
-        sources = {
-            "local_compute": counters.local_compute,
-            "local_cache_hit": counters.local_cache_hit,
-            "external_kv_transfer": counters.external_kv_transfer,
-        }
-        prompt_tokens = sum(sources.values())
-        series(
-            "counter",
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            [(labels, prompt_tokens)],
-        )
-        series(
-            "counter",
-            "vllm:prompt_tokens_by_source",
-            "Number of prompt tokens by source.",
-            [(f'{labels},source="{source}"', value) for source, value in sources.items()],
-        )
-        series(
-            "counter",
-            "vllm:prompt_tokens_cached",
-            "Number of cached prompt tokens (local + external).",
-            [(labels, prompt_tokens - counters.local_compute)],
-        )
-        series(
-            "counter",
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            [(labels, counters.generation_tokens)],
-        )
-        series(
-            "counter",
-            "vllm:nixl_num_failed_transfers",
-            "Number of failed NIXL KV Cache transfers.",
-            [(labels, counters.nixl_failed_transfers)],
-        )
-        series(
-            "counter",
-            "vllm:nixl_num_kv_expired_reqs",
-            "Number of requests that had their KV expire.",
-            [(labels, counters.nixl_expired_requests)],
-        )
-        lines += [
-            "# HELP process_start_time_seconds Start time of the process since unix epoch.",
-            "# TYPE process_start_time_seconds gauge",
-            f"process_start_time_seconds {launch.start_time}",
-        ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        options, counters = self.options, launch.counters
+        text = render_metrics(options, launch.scheduler, counters, launch.start_time)
+        return web.Response(text=text, content_type="text/plain")
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return _json(self._launch.faults.to_json())
@@ -834,15 +604,3 @@ _NO_FAULT = Fault()
 
 def _json(value: object) -> web.Response:
     return web.Response(body=orjson.dumps(value), content_type="application/json")
-
-
-def _flat_block_ids(params: Mapping[str, object]) -> list[int] | None:
-    """Block ids as one list (a descriptor may give one list per KV-cache group)."""
-    block_ids = params.get("remote_block_ids")
-    if isinstance(block_ids, list) and block_ids and all(isinstance(g, list) for g in block_ids):
-        block_ids = [block_id for group in block_ids for block_id in group]
-    if not isinstance(block_ids, list) or not all(
-        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
-    ):
-        return None
-    return block_ids

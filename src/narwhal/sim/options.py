@@ -1,7 +1,8 @@
 """Everything one simulated engine is configured with, and the `narwhal sim` flags for it.
 
-The default timings look like a small model on one GPU, scaled so a dev fleet feels real:
-~0.1 ms per prompt token, 5 ms per request, 20 ms between tokens. Defaults that vLLM 0.32
+The default timings (the `dev` profile) look like a small model on one GPU, scaled so a dev
+fleet feels real: ~0.1 ms per prompt token, 5 ms per request, 20 ms between tokens; other
+profiles (narwhal.sim.profiles) model a named model on a GPU. Defaults that vLLM 0.32
 sets follow it: the KV block size of the device (16 on a GPU, 128 on CPU) and the
 NixlConnector's 30 s lease on blocks held for a pull (`kv_lease_duration`).
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from narwhal.sim.faults import Fault, FaultError
+from narwhal.sim.profiles import PROFILE_FIELDS, PROFILES, profile
+from narwhal.sim.timing import PullCosts, StepCosts
 
 FailurePolicy = Literal["fail", "recompute"]
 Device = Literal["cuda", "cpu"]
@@ -42,11 +45,19 @@ class SimOptions:
     kv_load_failure_policy: FailurePolicy = "fail"
     max_num_seqs: int = 256
     num_kv_blocks: int = 8192
+    # Timing (see narwhal.sim.timing and docs/simulator-timing.md); `--profile` sets them.
     prefill_s_per_token: float = 0.0001
     request_overhead_s: float = 0.005
     inter_token_s: float = 0.02
     kv_pull_s_per_block: float = 0.0002
     slowdown_per_seq: float = 0.01
+    step_overhead_s: float = 0.0
+    kv_read_s_per_token: float = 0.0
+    max_num_batched_tokens: int = 8192
+    kv_bytes_per_token: int = 0
+    kv_pull_latency_s: float = 0.0
+    kv_pull_bytes_per_s: float = 0.0  # 0: no size cost, only kv_pull_s_per_block
+    speed: float = 1.0  # every simulated duration is divided by this
     eos_probability: float = 0.0
     empty_token_probability: float = 0.0  # per token: it detokenizes to nothing
     reasoning_tokens: int = 0  # chat: this many first tokens are reasoning (a parser is on)
@@ -56,7 +67,13 @@ class SimOptions:
     faults: tuple[Fault, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "tp_size", "max_num_seqs", "num_kv_blocks"):
+        for name in (
+            "max_model_len",
+            "tp_size",
+            "max_num_seqs",
+            "num_kv_blocks",
+            "max_num_batched_tokens",
+        ):
             _require(self, name, getattr(self, name) >= 1, "must be at least 1")
         _require(
             self,
@@ -81,8 +98,14 @@ class SimOptions:
             "inter_token_s",
             "kv_pull_s_per_block",
             "slowdown_per_seq",
+            "step_overhead_s",
+            "kv_read_s_per_token",
+            "kv_bytes_per_token",
+            "kv_pull_latency_s",
+            "kv_pull_bytes_per_s",
         ):
             _require(self, name, getattr(self, name) >= 0, "must not be negative")
+        _require(self, "speed", self.speed > 0, "must be more than 0")
         for name in ("eos_probability", "empty_token_probability"):
             _require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         _require(
@@ -99,6 +122,28 @@ class SimOptions:
         return self.block_size or _DEVICE_BLOCK_SIZE[self.device]
 
     @property
+    def step_costs(self) -> StepCosts:
+        """The engine's step costs, at its `speed`."""
+        return StepCosts(
+            step_overhead_s=self.step_overhead_s,
+            prefill_s_per_token=self.prefill_s_per_token,
+            inter_token_s=self.inter_token_s,
+            slowdown_per_seq=self.slowdown_per_seq,
+            kv_read_s_per_token=self.kv_read_s_per_token,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        ).scaled(self.speed)
+
+    @property
+    def pull_costs(self) -> PullCosts:
+        """The cost of pulling KV blocks into this engine, at its `speed`."""
+        return PullCosts(
+            latency_s=self.kv_pull_latency_s,
+            s_per_block=self.kv_pull_s_per_block,
+            bytes_per_token=self.kv_bytes_per_token,
+            bytes_per_s=self.kv_pull_bytes_per_s,
+        ).scaled(self.speed)
+
+    @property
     def resolved_side_channel_host(self) -> str:
         """The side channel's host, bound and put in descriptors (VLLM_NIXL_SIDE_CHANNEL_HOST)."""
         return self.side_channel_host or self.host
@@ -107,6 +152,9 @@ class SimOptions:
 def _require(options: SimOptions, name: str, ok: bool, rule: str) -> None:
     if not ok:
         raise ValueError(f"sim option {name}: {rule}, got {getattr(options, name)!r}")
+
+
+_DEFAULTS = SimOptions()
 
 
 def _fault(text: str) -> Fault:
@@ -134,7 +182,6 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.block_size,
         help="tokens per KV block (default: 16 on cuda, 128 on cpu)",
     )
-    add("--tp-size", type=int, default=d.tp_size, help="tensor-parallel size reported")
     add("--side-channel-host", default=d.side_channel_host, help="KV host (default: --host)")
     add("--side-channel-port", type=int, default=d.side_channel_port, help="KV port (0: free)")
     add("--kv-lease-s", type=float, default=d.kv_lease_s, help="held blocks expire after this")
@@ -144,13 +191,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.kv_load_failure_policy,
         help="what a decode does when its KV pull fails",
     )
-    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
-    add("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV block budget")
-    add("--prefill-s-per-token", type=float, default=d.prefill_s_per_token, help="prefill cost")
-    add("--request-overhead-s", type=float, default=d.request_overhead_s, help="per request")
-    add("--inter-token-s", type=float, default=d.inter_token_s, help="decode step (0 allowed)")
-    add("--kv-pull-s-per-block", type=float, default=d.kv_pull_s_per_block, help="pull cost")
-    add("--slowdown-per-seq", type=float, default=d.slowdown_per_seq, help="per running seq")
+    _add_timing_arguments(parser)
     add("--eos-probability", type=float, default=d.eos_probability, help="per token")
     add(
         "--empty-token-probability",
@@ -186,9 +227,63 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_TIMING_HELP = {
+    "request_overhead_s": "per request, before it is scheduled (HTTP, tokenizing)",
+    "step_overhead_s": "every engine step (scheduling, kernel launches)",
+    "prefill_s_per_token": "each prompt token computed in a step",
+    "inter_token_s": "a decode step's floor: the weights read once (0 allowed)",
+    "slowdown_per_seq": "each decoding sequence beyond the first adds this share of it",
+    "kv_read_s_per_token": "each context token of every decoding sequence, per step",
+    "max_num_batched_tokens": "token budget of one step, decodes and prompt chunks",
+    "max_num_seqs": "running requests at most",
+    "num_kv_blocks": "KV block budget",
+    "tp_size": "tensor-parallel size reported",
+    "kv_bytes_per_token": "KV bytes per token, for the size of a pull",
+    "kv_pull_latency_s": "fixed cost of a KV pull",
+    "kv_pull_s_per_block": "KV pull cost per block",
+    "kv_pull_bytes_per_s": "KV pull link bandwidth (0: no size cost)",
+}
+
+
+def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--profile` and one flag per profile field; a flag given overrides the profile."""
+    d = SimOptions()
+    parser.add_argument(
+        "--profile",
+        default="dev",
+        choices=sorted(PROFILES),
+        help="preset timings of a model on a GPU (default: dev, fast and small)",
+    )
+    for name in PROFILE_FIELDS:
+        kind = type(getattr(d, name))
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"{_TIMING_HELP[name]} (default: the profile's; dev {getattr(d, name)})",
+        )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=d.speed,
+        help="run this many times faster than the profile: every simulated duration / SPEED",
+    )
+
+
+def profile_options(preset: str, /, **overrides: Any) -> SimOptions:
+    """SimOptions with a preset profile's values, then `overrides`."""
+    values: dict[str, Any] = dict(profile(preset))
+    values.update(overrides)
+    return SimOptions(**values)
+
+
 def options_from_args(args: argparse.Namespace) -> SimOptions:
     """Build SimOptions from parsed flags; raises ValueError naming a bad option."""
     values = {field.name: getattr(args, field.name) for field in fields(SimOptions)}
+    preset = profile(getattr(args, "profile", "dev"))
+    for name in PROFILE_FIELDS:
+        if values[name] is None:
+            values[name] = preset.get(name, getattr(_DEFAULTS, name))
     values["faults"] = tuple(args.faults)
     values["faults_enabled"] = args.faults_enabled or bool(args.faults)
     return SimOptions(**values)

@@ -1,0 +1,1 @@
+"""`narwhal goodput`: replay a load trace over every static prefill/decode split."""

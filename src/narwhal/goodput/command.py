@@ -1,0 +1,151 @@
+"""`narwhal goodput`: replay a trace over every static split of N engines and compare them.
+
+    narwhal goodput --engines 6 --profile llama-3.1-8b-h100 --trace shifting --duration 60
+
+For each split (1..N-1 prefill engines, the rest decode) a router is started over the same
+simulated engines and the trace is replayed through it; the table and the JSON report
+goodput (requests per second meeting both the TTFT and the TPOT SLO) and TTFT/TPOT
+percentiles per trace phase, and the best split overall and per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from narwhal.goodput.capacity import suggested_rate
+from narwhal.goodput.replay import KV_LEASE_S, FleetProcess, SplitRun, run_split
+from narwhal.goodput.report import document, plot, table
+from narwhal.goodput.score import PhaseStats, Slo, default_slo, split_stats
+from narwhal.goodput.traces import SHAPES, TraceRequest, generate, parse_jsonl, phase_durations
+from narwhal.sim.options import profile_options
+from narwhal.sim.profiles import PROFILES
+
+
+def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--engines", type=int, default=4, help="simulated engines (2 or more; 4-8 is typical)")
+    add("--profile", default="llama-3.1-8b-h100", choices=sorted(PROFILES), help="engine timing")
+    add("--trace", default="shifting", help=f"a shape ({', '.join(SHAPES)}) or a JSONL file")
+    add("--duration", type=float, default=60.0, help="trace seconds (shapes only)")
+    add("--rate", type=float, help="requests/s (shapes only; default: ~80%% of capacity)")
+    add("--cycles", type=int, default=2, help="how often a shape repeats its phases")
+    add("--token-scale", type=float, default=1.0, help="scale every prompt and output length")
+    add("--seed", type=int, default=0, help="fixes the trace")
+    add("--speed", type=float, default=1.0, help="replay this many times faster (engines too)")
+    add("--splits", help="prefill counts to try, e.g. 1,3 (default: 1..N-1)")
+    add("--slo-ttft", type=float, help="TTFT SLO in seconds (default: from the profile)")
+    add("--slo-tpot", type=float, help="TPOT SLO in seconds (default: from the profile)")
+    add("--out", type=Path, default=Path("goodput.json"), help="JSON report")
+    add("--plot", type=Path, help="also draw a PNG chart (needs matplotlib)")
+
+
+def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], float]:
+    """The trace and its length in seconds."""
+    if args.trace not in SHAPES:
+        requests = parse_jsonl(Path(args.trace).read_text())
+        duration = max((r.arrival_s for r in requests), default=0.0) or 1.0
+        return requests, duration
+    costs = profile_options(args.profile).step_costs
+    rate = (
+        args.rate
+        if args.rate is not None
+        else (lambda mix: suggested_rate(costs, args.engines, mix))
+    )
+    trace = generate(
+        args.trace,
+        seed=args.seed,
+        duration_s=args.duration,
+        rate=rate,
+        cycles=args.cycles,
+        token_scale=args.token_scale,
+    )
+    return trace, args.duration
+
+
+def splits_of(text: str | None, engines: int) -> list[int]:
+    if text is None:
+        return list(range(1, engines))
+    splits = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not splits or splits[0] < 1 or splits[-1] > engines - 1:
+        raise ValueError(f"--splits: each prefill count must be in 1..{engines - 1}")
+    return splits
+
+
+Results = dict[int, dict[str, PhaseStats]]
+
+
+async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
+    """Run every split; returns the stats by split and phase, and the JSON document."""
+    if args.engines < 2:
+        raise ValueError("--engines: need at least 2 (a prefill and a decode engine)")
+    if not args.speed > 0:
+        raise ValueError("--speed: must be more than 0")
+    splits = splits_of(args.splits, args.engines)
+    trace, duration = load_trace(args)
+    if not trace:
+        raise ValueError("the trace has no requests")
+    options = profile_options(args.profile)
+    slo = default_slo(options.step_costs, options.request_overhead_s)
+    slo = Slo(args.slo_ttft or slo.ttft_s, args.slo_tpot or slo.tpot_s)
+    durations = phase_durations(trace, duration)
+    results: Results = {}
+    runs: list[dict[str, Any]] = []
+    fields = {"profile": args.profile, "speed": args.speed, "kv_lease_s": KV_LEASE_S}
+    async with FleetProcess(args.engines, fields) as fleet:
+        for prefill in splits:
+            run: SplitRun = await run_split(fleet, prefill, trace, args.speed)
+            results[prefill] = split_stats(run.outcomes, slo, durations)
+            runs.append(
+                {
+                    "prefill": run.prefill,
+                    "decode": run.decode,
+                    "wall_s": round(run.wall_s, 2),
+                    "engine_cpu_s": round(run.engine_cpu_s, 2),
+                    "router_client_cpu_s": round(run.router_client_cpu_s, 2),
+                }
+            )
+            print(
+                f"split {run.prefill}P{run.decode}D: {run.wall_s:.1f} s wall, engines "
+                f"{run.engine_cpu_s:.1f} s CPU, router+client {run.router_client_cpu_s:.1f} s CPU",
+                file=sys.stderr,
+                flush=True,
+            )
+    meta = {
+        "profile": args.profile,
+        "engines": args.engines,
+        "trace": args.trace,
+        "seed": args.seed,
+        "requests": len(trace),
+        "duration_s": duration,
+        "speed": args.speed,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "phase_durations_s": durations,
+    }
+    return results, document(meta, results, runs)
+
+
+async def goodput_command(args: argparse.Namespace) -> int:
+    try:
+        results, report = await goodput(args)
+    except (ValueError, OSError) as exc:
+        print(f"narwhal goodput: {exc}", file=sys.stderr)
+        return 2
+    slo = report["slo"]
+    print(
+        f"{report['requests']} requests over {report['duration_s']:.0f} s of trace "
+        f"({report['trace']}, seed {report['seed']}), {report['engines']} engines "
+        f"({report['profile']}), speed {report['speed']}; SLO TTFT <= "
+        f"{slo['ttft_s'] * 1000:.0f} ms, TPOT <= {slo['tpot_s'] * 1000:.1f} ms\n"
+    )
+    print(table(results, args.engines))
+    args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"\nJSON report: {args.out}")
+    if args.plot is not None:
+        why_not = plot(results, args.engines, args.plot)
+        print(why_not or f"chart: {args.plot}")
+    return 0

@@ -1,0 +1,204 @@
+"""Running the experiment: a fleet process, a router per split, the trace replayed through it.
+
+The engines start once, in a child process, and are never told a role: a simulated engine
+serves whichever leg it is sent. A split is therefore only the router's role assignment (the
+first k engines prefill, the rest decode), and a fresh router per split starts with no
+placement history. Prompts are random token ids salted by split, so no prefix-cache hit
+carries from one split into the next. Every duration is in trace seconds: the engines run
+`speed` times faster than the profile and wall-clock latencies are multiplied back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from narwhal.config import parse_config
+from narwhal.goodput.score import Outcome
+from narwhal.goodput.traces import TraceRequest
+from narwhal.router.app import RouterServer
+from narwhal.sim.model import VOCAB_SIZE
+
+MODEL = "narwhal-sim"
+KV_LEASE_S = 600.0
+"""Engines and router hold handed-off KV this long (vLLM's 30 s would expire handoffs that
+an overloaded split keeps waiting, and the lease does not scale with the replay speed)."""
+
+
+class FleetProcess:
+    """`count` simulated engines in a child process (see narwhal.goodput.fleet_proc)."""
+
+    def __init__(self, count: int, fields: dict[str, Any]) -> None:
+        self._count = count
+        self._fields = fields
+        self._process: asyncio.subprocess.Process | None = None
+        self.urls: list[str] = []
+
+    async def __aenter__(self) -> FleetProcess:
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "narwhal.goodput.fleet_proc",
+            str(self._count),
+            orjson.dumps(self._fields).decode(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        self.urls = (await self._line())["urls"]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._process is None:
+            return
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        try:
+            await asyncio.wait_for(self._process.wait(), 10)
+        except TimeoutError:
+            self._process.kill()
+            await self._process.wait()
+
+    async def cpu_seconds(self) -> float:
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write(b"cpu\n")
+        await self._process.stdin.drain()
+        return float((await self._line())["cpu_s"])
+
+    async def _line(self) -> dict[str, Any]:
+        assert self._process is not None and self._process.stdout is not None
+        line = await asyncio.wait_for(self._process.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError("the simulated fleet exited")
+        value: dict[str, Any] = orjson.loads(line)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class SplitRun:
+    prefill: int
+    decode: int
+    outcomes: list[Outcome]
+    wall_s: float
+    engine_cpu_s: float
+    router_client_cpu_s: float
+
+
+def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
+    """The router for one split: the first `prefill` engines prefill, the rest decode.
+
+    Timeouts and KV leases are long, seats unlimited and the breaker patient, so an
+    overloaded split shows as latency (and missed SLOs) rather than as refusals, expired
+    handoffs or ejected engines: the experiment is about capacity, not recovery.
+    """
+    return {
+        "model": MODEL,
+        "server": {"host": "127.0.0.1", "port": 0},
+        "engine": {
+            "first_token_timeout_s": 300.0,
+            "prefill_timeout_s": 300.0,
+            "decode_read_timeout_s": 0.0,
+            "metrics_interval_s": 1.0,
+            "kv_lease_s": KV_LEASE_S,
+        },
+        "recovery": {"eject_after": 1_000_000},
+        "serving": {"request_timeout_s": 600.0, "queue_capacity": 100000},
+        "engines": [
+            {
+                "id": f"e{i}",
+                "url": url,
+                "role": "prefill" if i < prefill else "decode",
+                "max_prefill_seats": 0,
+                "max_decode_seats": 0,
+            }
+            for i, url in enumerate(urls)
+        ],
+    }
+
+
+async def run_split(
+    fleet: FleetProcess, prefill: int, trace: Sequence[TraceRequest], speed: float
+) -> SplitRun:
+    config = parse_config(router_config(fleet.urls, prefill), source="narwhal goodput")
+    server = RouterServer(config)
+    await server.start()
+    engine_cpu = await fleet.cpu_seconds()
+    own_cpu = time.process_time()
+    started = time.monotonic()
+    try:
+        outcomes = await replay(server.url, trace, speed, salt=f"split-{prefill}")
+    finally:
+        await server.shutdown(1.0)
+    return SplitRun(
+        prefill=prefill,
+        decode=len(fleet.urls) - prefill,
+        outcomes=outcomes,
+        wall_s=time.monotonic() - started,
+        engine_cpu_s=await fleet.cpu_seconds() - engine_cpu,
+        router_client_cpu_s=time.process_time() - own_cpu,
+    )
+
+
+async def replay(
+    url: str, trace: Sequence[TraceRequest], speed: float, *, salt: str
+) -> list[Outcome]:
+    """Send each request at its arrival time (divided by `speed`) and time its stream."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(index: int, request: TraceRequest) -> Outcome:
+            await asyncio.sleep(max(0.0, start + request.arrival_s / speed - loop.time()))
+            return await _request(session, url, request, speed, f"{salt}-{index}")
+
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
+
+
+async def _request(
+    session: aiohttp.ClientSession, url: str, request: TraceRequest, speed: float, salt: str
+) -> Outcome:
+    rng = random.Random(salt)
+    body = {
+        "model": MODEL,
+        "prompt": [rng.randrange(VOCAB_SIZE) for _ in range(request.prompt_tokens)],
+        "max_tokens": request.output_tokens,
+        "stream": True,
+    }
+    sent = time.monotonic()
+    first: float | None = None
+    last = sent
+    tokens = 0
+    tail = b""
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                await response.read()
+                return Outcome(request.phase, completed=False)
+            async for data in response.content.iter_any():
+                # One `data: {...}` event per token (the usage event is off); count them
+                # without parsing, across chunk boundaries.
+                seen = tail + data
+                if b'data: {"error"' in seen:
+                    return Outcome(request.phase, completed=False)
+                count = seen.count(b"data: {") - tail.count(b"data: {")
+                tail = seen[-8:]
+                if count:
+                    now = time.monotonic()
+                    first = now if first is None else first
+                    last = now
+                    tokens += count
+    except (TimeoutError, aiohttp.ClientError):
+        return Outcome(request.phase, completed=False)
+    if first is None or tokens < request.output_tokens:
+        return Outcome(request.phase, completed=False)
+    tpot = (last - first) * speed / (tokens - 1) if tokens > 1 else None
+    return Outcome(request.phase, True, (first - sent) * speed, tpot)

@@ -1,0 +1,91 @@
+"""The goodput results as a table, a JSON document and (with matplotlib) a chart."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from narwhal.goodput.score import ALL, PhaseStats, best_split
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def table(results: Mapping[int, Mapping[str, PhaseStats]], engines: int) -> str:
+    """One row per split and phase: goodput, then TTFT and TPOT p50/p90/p99 in ms."""
+    header = (
+        f"{'split':>6} {'phase':<14} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
+        f"{'TTFT p50/p90/p99 ms':>21}  {'TPOT p50/p90/p99 ms':>19}"
+    )
+    lines = [header, "-" * len(header)]
+    for prefill, phases in sorted(results.items()):
+        for phase, stats in phases.items():
+            ttft = "/".join(_ms(v) for v in (stats.ttft_s.p50, stats.ttft_s.p90, stats.ttft_s.p99))
+            tpot = "/".join(_ms(v) for v in (stats.tpot_s.p50, stats.tpot_s.p90, stats.tpot_s.p99))
+            lines.append(
+                f"{f'{prefill}P{engines - prefill}D':>6} {phase:<14} {stats.requests:>5} "
+                f"{stats.good:>5} {stats.goodput_rps:>9.2f}  {ttft:>21}  {tpot:>19}"
+            )
+    lines.append("")
+    for phase in phases_of(results):
+        best = best_split(results, phase)
+        if best is not None:
+            lines.append(f"best static split for {phase}: {best}P{engines - best}D")
+    return "\n".join(lines)
+
+
+def phases_of(results: Mapping[int, Mapping[str, PhaseStats]]) -> list[str]:
+    """Every phase seen, `all` first."""
+    seen: list[str] = [ALL]
+    for phases in results.values():
+        seen += [phase for phase in phases if phase not in seen]
+    return seen
+
+
+def best_by_phase(results: Mapping[int, Mapping[str, PhaseStats]]) -> dict[str, int | None]:
+    return {phase: best_split(results, phase) for phase in phases_of(results)}
+
+
+def plot(results: Mapping[int, Mapping[str, PhaseStats]], engines: int, path: Path) -> str | None:
+    """Goodput per split, one line per phase; returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'): no chart"
+    splits = sorted(results)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for phase in phases_of(results):
+        values = [results[k][phase].goodput_rps if phase in results[k] else 0 for k in splits]
+        axes.plot(splits, values, marker="o", label=phase)
+    axes.set_xticks(splits, [f"{k}P{engines - k}D" for k in splits])
+    axes.set_xlabel("static split")
+    axes.set_ylabel("goodput (requests/s meeting both SLOs)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return None
+
+
+def document(
+    meta: Mapping[str, Any],
+    results: Mapping[int, Mapping[str, PhaseStats]],
+    runs: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The JSON written by `narwhal goodput --out`."""
+    return {
+        **meta,
+        "splits": [
+            {
+                **run,
+                "phases": {phase: s.to_json() for phase, s in results[run["prefill"]].items()},
+            }
+            for run in runs
+        ],
+        "best": best_by_phase(results),
+    }
