@@ -332,7 +332,10 @@ async def test_a_client_whose_headers_never_finish_is_disconnected(
         started = asyncio.get_running_loop().time()
         for _ in range(3):  # still trickling header bytes: no excuse
             await asyncio.sleep(SLOW / 4)
-            writer.write(b"n")
+            try:
+                writer.write(b"n")
+            except (RuntimeError, ConnectionError):
+                break  # a slow machine's sleeps ran past the timeout: closed already
         assert await closed_within(reader, SLOW * 4) == b""
         assert asyncio.get_running_loop().time() - started < SLOW * 3
         writer.close()
