@@ -80,7 +80,7 @@ def problem(data: object) -> str:
 def test_sections_left_out_take_their_documented_defaults() -> None:
     config = parse_config(MINIMAL)
     assert config.server == ServerConfig("127.0.0.1", 8000, 30.0, 30.0, (), ())
-    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 5.0, 30.0, None, None)
+    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 5.0, 30.0, True, None, None)
     assert config.serving == ServingConfig(600.0, 1, 10, 0.1, 4_194_304, 1024, 30.0)
     assert config.recovery == RecoveryConfig(3, 0.5, 10.0, 1.0, 0.0, RestartPolicy.INDIVIDUAL)
     assert config.journal == JournalConfig(None)
@@ -194,6 +194,7 @@ REFUSED = [
     ("engine.connect_timeout_s", -2, "must be a number > 0, got -2"),
     ("engine.health_timeout_s", 0, "must be a number > 0, got 0"),
     ("engine.kv_lease_s", 0, "must be a number > 0, got 0"),
+    ("engine.release_abandoned", "yes", 'must be true or false, got "yes"'),
     ("engine.ca_bundle", "", 'must be a non-empty string, got ""'),
     ("serving.request_timeout_s", 0, "must be a number > 0, got 0"),
     ("serving.max_attempts", 0, "must be an integer >= 1, got 0"),

@@ -83,6 +83,9 @@ class EngineConfig:
     # vLLM 0.32's NixlConnector holds unpulled blocks for a 30 s lease
     # (`kv_connector_extra_config.kv_lease_duration`); older versions for 480 s.
     kv_lease_s: float = 30.0
+    # Free an abandoned handoff's blocks at once through a consumer (see `engines.release`)
+    # rather than leave them pinned for the rest of the lease.
+    release_abandoned: bool = True
     api_key_env: str | None = None
     ca_bundle: str | None = None
 
@@ -399,6 +402,15 @@ class _Table:
         self.fail(key, f"must be {wanted}, got {_show(value)}")
         return fallback
 
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.take(key, required=False)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool):
+            return value
+        self.fail(key, f"must be true or false, got {_show(value)}")
+        return default
+
     def number(self, key: str, default: float, *, zero_ok: bool = False) -> float:
         """A finite number > 0 (or >= 0); ints are accepted as floats, booleans are not."""
         value = self.take(key, required=False)
@@ -648,6 +660,7 @@ def _engine(table: _Table) -> EngineConfig:
         health_timeout_s=table.number("health_timeout_s", d.health_timeout_s),
         metrics_interval_s=table.number("metrics_interval_s", d.metrics_interval_s, zero_ok=True),
         kv_lease_s=table.number("kv_lease_s", d.kv_lease_s),
+        release_abandoned=table.boolean("release_abandoned", d.release_abandoned),
         api_key_env=_env_name(table, "api_key_env"),
         ca_bundle=table.optional_string("ca_bundle"),
     )

@@ -1,11 +1,13 @@
 """A descriptor dropped before any consumer got it is counted against its producer, with the
-blocks it holds; a delivered one, or a handoff that holds nothing, never is."""
+blocks it holds, and released through a consumer so the producer frees them at once; a
+delivered one, or a handoff that holds nothing, never is."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.engines.http import ConnectionPool, Origin
@@ -15,16 +17,23 @@ STREAM = {**COMPLETION, "stream": True}
 LONG_PROMPT = {**STREAM, "prompt": "whales sing " * 40}
 
 
-async def abandoned_of(stack: Stack, engine: str, want: int, timeout_s: float = 10.0) -> Any:
-    """The engine's `abandoned` entry in `/narwhal/state` once it counts `want` handoffs."""
+async def abandoned_of(
+    stack: Stack, engine: str, want: int, timeout_s: float = 30.0, *, released: int = 0
+) -> Any:
+    """The engine's `abandoned` entry in `/narwhal/state` once it counts `want` handoffs
+    and `released` releases that freed blocks."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout_s
     while True:
         state = await router_state(stack)
         entry = next(e for e in state["engines"] if e["id"] == engine)["abandoned"]
-        if entry["handoffs"] >= want or loop.time() > until:
+        done = entry["handoffs"] >= want and entry["released"] >= released
+        if done or loop.time() > until:
             return entry
         await asyncio.sleep(0.02)
+
+
+KEEP = {"release_abandoned": False}
 
 
 async def metric_totals(stack: Stack) -> dict[str, float]:
@@ -57,15 +66,18 @@ async def test_a_normal_request_abandons_nothing(make_stack: StackFactory) -> No
             "blocks": 0,
             "block_seconds": 0.0,
             "pinned_blocks": 0,
+            "released": 0,
+            "release_failures": 0,
         }
         assert d0["abandoned"] is None
         assert stack.engine("p0").held_block_count() == 0
 
 
+@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
 async def test_a_client_gone_after_the_prefill_abandons_its_handoff(
-    make_stack: StackFactory,
+    make_stack: StackFactory, release: bool
 ) -> None:
-    async with make_stack() as stack:
+    async with make_stack(engine={"release_abandoned": release}) as stack:
         consumer = Origin.of(stack.engine("d0").url)
         connecting = asyncio.Event()
         never = asyncio.Event()
@@ -85,28 +97,40 @@ async def test_a_client_gone_after_the_prefill_abandons_its_handoff(
         client = asyncio.create_task(stack.post("/v1/completions", LONG_PROMPT))
         await asyncio.wait_for(connecting.wait(), 10)
         client.cancel()
-        entry = await abandoned_of(stack, "p0", 1)
-        held = stack.engine("p0").held_block_count()
-        assert held > 0
-        assert entry["handoffs"] == 1 and entry["blocks"] == held
-        assert entry["pinned_blocks"] == held
-        # Nearly the whole 30 s lease was left.
-        assert 25 * held <= entry["block_seconds"] <= 30 * held
+        if release:
+            # The release goes to a consumer too: let it connect.
+            pool._connect = connect  # type: ignore[method-assign]
+        entry = await abandoned_of(stack, "p0", 1, released=int(release))
         (line,) = await stack.journal(kind="request")
         assert line["status"] == 499
-        assert line["abandoned_handoffs"]["count"] == 1
-        assert line["abandoned_handoffs"]["blocks"] == held
+        blocks = line["abandoned_handoffs"]["blocks"]
+        assert blocks > 0 and line["abandoned_handoffs"]["count"] == 1
         assert [h["producer"] for h in line["abandoned_handoffs"]["handoffs"]] == ["p0"]
+        assert entry["handoffs"] == 1 and entry["blocks"] == blocks
+        # Nearly the whole 30 s lease was left when it was dropped.
+        assert 25 * blocks <= entry["block_seconds"] <= 30 * blocks
         totals = await metric_totals(stack)
         assert totals["narwhal_engine_abandoned_handoffs_total"] == 1
-        assert totals["narwhal_engine_abandoned_blocks_total"] == held
-        assert totals["narwhal_engine_abandoned_pinned_blocks"] == held
-        pool._connect = connect  # type: ignore[method-assign]
-        assert len(stack.engine("d0").received) == 0
+        assert totals["narwhal_engine_abandoned_blocks_total"] == blocks
+        held = stack.engine("p0").held_block_count()
+        if release:
+            # Freed at once, not at the end of the lease.
+            assert held == 0 and entry["pinned_blocks"] == 0 and entry["released"] == 1
+            assert totals["narwhal_engine_abandoned_pinned_blocks"] == 0
+            assert totals["narwhal_engine_abandoned_releases_total"] == 1
+            (release_request,) = stack.engine("d0").received
+            assert release_request.body["model"] == "narwhal-release-abandoned-handoff"
+        else:
+            assert held == blocks and entry["pinned_blocks"] == blocks
+            assert entry["released"] == 0
+            assert totals["narwhal_engine_abandoned_pinned_blocks"] == blocks
+            pool._connect = connect  # type: ignore[method-assign]
+            assert len(stack.engine("d0").received) == 0
 
 
 async def test_an_expired_handoff_is_abandoned(make_stack: StackFactory) -> None:
-    async with make_stack(engine={"kv_lease_s": 0.6, "prefill_timeout_s": 5.0}) as stack:
+    engine = {"kv_lease_s": 0.6, "prefill_timeout_s": 5.0, **KEEP}
+    async with make_stack(engine=engine) as stack:
         arm(stack.engine("p0"), phase="prefill", hang_s=0.55)
         status, body = await stack.post("/v1/completions", LONG_PROMPT)
         assert status == 504 and body["error"]["message"].startswith("handoff expired")
@@ -130,13 +154,13 @@ async def test_a_refused_decode_abandons_its_handoff_and_the_retry_does_not(
         assert status == 200
         (line,) = await stack.journal(kind="request")
         assert line["attempts"] == 2
-        entry = await abandoned_of(stack, "p0", 1)
-        held = stack.engine("p0").held_block_count()
-        # The second attempt's blocks were pulled; the first attempt's are still held.
-        assert held > 0
-        assert entry["handoffs"] == 1 and entry["blocks"] == held
-        assert line["abandoned_handoffs"]["count"] == 1
-        assert line["abandoned_handoffs"]["blocks"] == held
+        entry = await abandoned_of(stack, "p0", 1, released=1)
+        blocks = line["abandoned_handoffs"]["blocks"]
+        assert line["abandoned_handoffs"]["count"] == 1 and blocks > 0
+        assert entry["handoffs"] == 1 and entry["blocks"] == blocks
+        # The second attempt's blocks were pulled, the first attempt's released.
+        assert entry["released"] == 1 and entry["pinned_blocks"] == 0
+        assert stack.engine("p0").held_block_count() == 0
         await settled(stack)
 
 

@@ -193,9 +193,14 @@ class FakeStack:
         return self.router.url
 
 
+# Short enough that timeout cases end quickly, long enough that a busy machine does not
+# make a healthy scripted engine look slow.
+ENGINE_TIMEOUT_S = 1.5
+
+
 @asynccontextmanager
 async def fake_stack(
-    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 2.0
+    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 4.0
 ) -> AsyncIterator[FakeStack]:
     """Router → fake producer p0 and fake consumer d0, with short engine timeouts; the
     deadline stays well above the first-token timeout, so that a busy machine cannot turn
@@ -209,11 +214,11 @@ async def fake_stack(
             "model": MODEL,
             "journal": {"path": str(journal_path)},
             "engine": {
-                "first_token_timeout_s": 0.4,
-                "decode_read_timeout_s": 0.4,
-                "prefill_timeout_s": 0.4,
+                "first_token_timeout_s": ENGINE_TIMEOUT_S,
+                "decode_read_timeout_s": ENGINE_TIMEOUT_S,
+                "prefill_timeout_s": ENGINE_TIMEOUT_S,
             },
-            "serving": {"request_timeout_s": deadline_s, "queue_timeout_s": 0.4},
+            "serving": {"request_timeout_s": deadline_s, "queue_timeout_s": ENGINE_TIMEOUT_S},
             # Every answer here is bad on purpose: never eject for it.
             "recovery": {"eject_after": 1_000_000},
             "engines": [
@@ -358,9 +363,9 @@ async def test_a_valid_stream_is_relayed_and_assembled_whatever_its_line_ends(
 
 
 async def test_a_token_with_empty_text_meets_the_first_token_deadline(tmp_path: Path) -> None:
-    # Text comes only after the first-token timeout (0.4 s); tokens without text before it.
+    # Text comes only after the first-token timeout; tokens without text before it.
     empty = [event(chunk(""))] * 8
-    script = Script((*empty, *stream().pieces), pause_s=0.08)
+    script = Script((*empty, *stream().pieces), pause_s=ENGINE_TIMEOUT_S / 6)
     async with fake_stack(tmp_path, GOOD_PREFILL, script, deadline_s=10.0) as stack:
         streamed = await ask(stack, COMPLETIONS, stream=True)
         assert terminal_code(streamed) is None

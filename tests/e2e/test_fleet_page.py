@@ -127,14 +127,17 @@ async def test_the_page_shows_a_producers_abandoned_handoffs(
         page = await open_page(browser, stack, "/", 1280, 800)
         card = page.locator('[data-engine="p0"]')
         await expect(card.locator('[data-field="abandoned"]')).to_have_count(0)
-        # The consumer refuses the decode: p0 holds the prefill's blocks for nobody.
+        # The consumer refuses the decode: the router releases the blocks p0 held for it.
         arm(stack.engine("d0"), phase="decode", status=503, times=1)
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 502
-        held = stack.engine("p0").held_block_count()
-        assert held > 0
+        (line,) = await stack.journal(kind="request")
+        blocks = line["abandoned_handoffs"]["blocks"]
+        assert blocks > 0
         await expect(card.locator('[data-field="abandoned"]')).to_have_text(
-            f"abandoned handoffs 1 · {held} blocks · {held} pinned now", timeout=LIVE_MS
+            f"abandoned handoffs 1 · {blocks} blocks · 1 released · 0 pinned now",
+            timeout=LIVE_MS,
         )
+        assert stack.engine("p0").held_block_count() == 0
         await expect(page.locator('[data-engine="d0"] [data-field="abandoned"]')).to_have_count(0)
 
 

@@ -69,6 +69,8 @@ def test_tallies_are_per_producer_and_pinned_blocks_expire_with_their_lease() ->
         "blocks": 3,
         "block_seconds": 2 * 4.0 + 1 * 9.0,
         "pinned_blocks": 3,
+        "released": 0,
+        "release_failures": 0,
     }
     # The first handoff's lease ends at 10 s, the second's at 15 s.
     assert ledger.tally("p0").pinned(10.0) == 1
@@ -81,6 +83,8 @@ def test_tallies_are_per_producer_and_pinned_blocks_expire_with_their_lease() ->
         "blocks": 0,
         "block_seconds": 0.0,
         "pinned_blocks": 0,
+        "released": 0,
+        "release_failures": 0,
     }
 
 
@@ -92,6 +96,24 @@ def test_leases_recorded_out_of_order_still_expire_in_order() -> None:
         ledger.record(lost)
     tally = ledger.tally("p0")
     assert [tally.pinned(t) for t in (9.0, 10.0, 13.0, 15.0)] == [3, 2, 1, 0]
+
+
+def test_a_released_handoff_unpins_its_blocks_and_a_failed_release_does_not() -> None:
+    ledger = AbandonedHandoffs()
+    first = abandonment("p0", descriptor([1, 2]), started_at=0.0, now=1.0, lease_s=30.0)
+    second = abandonment("p0", descriptor([3]), started_at=0.0, now=1.0, lease_s=30.0)
+    assert first is not None and second is not None
+    ledger.record(first)
+    ledger.record(second)
+    ledger.released(first, freed=True)
+    ledger.released(second, freed=False)
+    summary = ledger.summary("p0", 2.0)
+    assert summary["pinned_blocks"] == 1 and summary["released"] == 1
+    assert summary["release_failures"] == 1
+    # What each handoff had left when dropped stays as recorded, as on its journal line.
+    assert summary["handoffs"] == 2 and summary["block_seconds"] == 3 * 29.0
+    ledger.released(first, freed=True)  # told twice: nothing more is unpinned
+    assert ledger.summary("p0", 2.0)["pinned_blocks"] == 1
 
 
 def test_the_journal_field_sums_a_requests_handoffs() -> None:

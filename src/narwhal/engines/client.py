@@ -76,6 +76,8 @@ class EngineClient:
         self.first_token_timeout_s = first_token_timeout_s
         self.decode_read_timeout_s = decode_read_timeout_s
         extra = {"Content-Type": "application/json", **(headers or {})}
+        # For requests off the hot path, sent through `session`.
+        self.headers = extra
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in extra.items()).encode()
         self._ca_bundle = ca_bundle
         self._hosts = HostResolver()

@@ -6,10 +6,15 @@ delivering it to a consumer, nobody will pull: the blocks stay pinned for the re
 lease. This module is the pure accounting of that cost, per producer: how many handoffs,
 how many blocks, how many block-seconds, and how many blocks are still pinned now.
 Times are event-loop seconds, the clock a descriptor's age is measured on.
+
+The router then asks a consumer to release each one (`engines.release`); a release that
+succeeds unpins its blocks at once. Block-seconds stay what each handoff had left when it
+was dropped: the most it could pin, and what the journal line says.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +76,9 @@ class ProducerTally:
     handoffs: int = 0
     blocks: int = 0
     block_seconds: float = 0.0
+    # Releases asked of a consumer: freed at once, or not (the blocks wait for the lease).
+    released: int = 0
+    release_failures: int = 0
     # (expires_at, blocks) of abandonments whose lease may still be running.
     live: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -101,6 +109,16 @@ class AbandonedHandoffs:
                 index -= 1
             live.insert(index, (lost.expires_at, lost.blocks))
 
+    def released(self, lost: Abandonment, freed: bool) -> None:
+        """The outcome of asking a consumer to release `lost`: freed blocks are unpinned."""
+        tally = self.tally(lost.producer)
+        if not freed:
+            tally.release_failures += 1
+            return
+        tally.released += 1
+        with contextlib.suppress(ValueError):
+            tally.live.remove((lost.expires_at, lost.blocks))
+
     def tally(self, producer: str) -> ProducerTally:
         tally = self.by_producer.get(producer)
         if tally is None:
@@ -115,6 +133,8 @@ class AbandonedHandoffs:
             "blocks": tally.blocks,
             "block_seconds": round(tally.block_seconds, 3),
             "pinned_blocks": tally.pinned(now),
+            "released": tally.released,
+            "release_failures": tally.release_failures,
         }
 
 

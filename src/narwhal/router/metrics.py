@@ -310,6 +310,12 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         "Blocks of abandoned handoffs times the lease each had left when dropped.",
         labels=["engine"],
     )
+    released = CounterMetricFamily(
+        "narwhal_engine_abandoned_releases",
+        "Abandoned handoffs the router asked a consumer to release, by result: freed at once, "
+        "or failed (the blocks wait for the lease).",
+        labels=["engine", "result"],
+    )
     pinned = GaugeMetricFamily(
         "narwhal_engine_abandoned_pinned_blocks",
         "Blocks of abandoned handoffs still within their KV lease (the router's estimate).",
@@ -323,6 +329,8 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
             abandoned_blocks.add_metric([name], tally.blocks)
             block_seconds.add_metric([name], tally.block_seconds)
             pinned.add_metric([name], tally.pinned(now))
+            released.add_metric([name, "freed"], tally.released)
+            released.add_metric([name, "failed"], tally.release_failures)
         info.add_metric([name, engine.spec.role.value, engine.url], 1)
         current = engine.state(now)
         for member in EngineState:
@@ -355,4 +363,4 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
             failures.add_metric([name, cause], engine.failures.get(cause, 0))
     yield from (info, state, streak, ejections, quarantines, spares, panics, probes)
     yield from (seats, limits, failures, crossed, prompt_tokens, silent, reported)
-    yield from (abandoned, abandoned_blocks, block_seconds, pinned)
+    yield from (abandoned, abandoned_blocks, block_seconds, pinned, released)

@@ -31,12 +31,13 @@ from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
-from narwhal.router.fleet import EngineEvent, Fleet, Reservation
+from narwhal.router.fleet import EngineEvent, Fleet, Phase, Reservation
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.operations import FleetOperations
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
+from narwhal.router.releases import Releases
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 from narwhal.tracing_config import resolve_tracing
@@ -108,6 +109,7 @@ class Router:
         self._shutdown_cancelled: set[asyncio.Task[Any]] = set()
         self.recent = RecentCalls()
         self.abandoned = AbandonedHandoffs()
+        self.releases = Releases(self.client, self.abandoned, config.engine.connect_timeout_s)
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
         self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
@@ -128,6 +130,7 @@ class Router:
             self._reading = asyncio.create_task(reports.run(), name="engine-reports")
 
     async def stop(self) -> None:
+        await self.releases.close()
         for task in (self._readmitting, self._reading):
             if task is not None:
                 task.cancel()
@@ -312,7 +315,7 @@ class Router:
             return await self._hand_over(call, client_request, reservation, result, delivery)
         except BaseException:
             if not delivery.delivered:
-                self._abandon(call, result)
+                self._abandon(call, result, reservation)
             raise
 
     async def _hand_over(
@@ -359,9 +362,10 @@ class Router:
             call.ttft_s = call.first_byte_s
         return stream
 
-    def _abandon(self, call: Call, result: PrefillResult) -> None:
+    def _abandon(self, call: Call, result: PrefillResult, reservation: Reservation) -> None:
         """A descriptor dropped before reaching a consumer: nobody will pull its blocks,
-        which its producer holds until the KV lease ends (a null descriptor holds none)."""
+        which its producer holds until the KV lease ends (a null descriptor holds none),
+        unless a consumer releases them (`engine.release_abandoned`)."""
         lost = abandonment(
             result.producer,
             result.descriptor,
@@ -369,9 +373,16 @@ class Router:
             asyncio.get_running_loop().time(),
             self.config.engine.kv_lease_s,
         )
-        if lost is not None:
-            self.abandoned.record(lost)
-            call.abandoned.append(lost)
+        if lost is None or result.descriptor is None:
+            return
+        self.abandoned.record(lost)
+        call.abandoned.append(lost)
+        if not self.config.engine.release_abandoned or lost.pinned_s <= 0:
+            return
+        consumers = [reservation.consumer, *self.fleet.admitted(Phase.DECODE)]
+        consumer = next((c for c in consumers if not c.refusing), None)
+        if consumer is not None:
+            self.releases.start(consumer.url, result, lost)
 
     def _prefill_succeeded(self, reservation: Reservation) -> None:
         """The producer's leg counts as a success once its descriptor passed validation

@@ -24,7 +24,7 @@ from aiohttp import web
 from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
 from narwhal.sim.describe import fingerprint, identity, models
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
-from narwhal.sim.handoff import descriptor, renewing_lease
+from narwhal.sim.handoff import descriptor, rejected_handoff, release_rejected, renewing_lease
 from narwhal.sim.kv import (
     HeldBlocks,
     PrefixCache,
@@ -232,6 +232,10 @@ class SimEngine:
             fault = self._fault_for(request, inference, launch)
             blocks = self._blocks_needed(inference)
         except ApiError as error:
+            # Turned away before any work: a handoff it carried is released at its producer.
+            rejected = rejected_handoff(raw)
+            if rejected is not None:
+                await release_rejected(rejected)
             return error_response(error)
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         response_id = ("chatcmpl-" if route == "chat" else "cmpl-") + request_id

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 
+import orjson
+
 from narwhal.sim.faults import Fault
-from narwhal.sim.kv import PullError, pull_blocks, renew_lease_every
+from narwhal.sim.kv import PullError, pull_blocks, release_blocks, renew_lease_every
 from narwhal.sim.timing import PullCosts, pull_seconds
+
+log = logging.getLogger("narwhal.sim.handoff")
 
 
 def descriptor(
@@ -129,3 +134,33 @@ def _flat_block_ids(params: Mapping[str, object]) -> list[int] | None:
     ):
         return None
     return block_ids
+
+
+def rejected_handoff(raw: bytes) -> Mapping[str, object] | None:
+    """The descriptor of a decode request the engine is turning away, if it carries one."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return None
+    return params
+
+
+async def release_rejected(params: Mapping[str, object]) -> None:
+    """A consumer turning a handoff away tells its producer to free the blocks, as vLLM
+    0.32 does for a request rejected at its serving layer; a failure is only logged."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
+    if not (
+        isinstance(host, str)
+        and isinstance(port, int)
+        and isinstance(engine_id, str)
+        and isinstance(request_id, str)
+    ):
+        return
+    try:
+        await release_blocks(host, port, engine_id, request_id)
+    except PullError as exc:
+        log.info("release of %s on %s failed: %s", request_id, engine_id, exc)

@@ -131,6 +131,12 @@ class HeldBlocks:
         self._end(request_id)
         return hold.digests
 
+    def release(self, request_id: str) -> None:
+        """A consumer is done with the blocks without pulling them: free them now."""
+        if request_id not in self._holds:
+            raise PullError(f"no blocks held for request {request_id!r} (expired or pulled)")
+        self._end(request_id)
+
     def drop_all(self) -> None:
         for request_id in list(self._holds):
             self._end(request_id)
@@ -187,15 +193,22 @@ class SideChannel:
     def _answer(self, line: bytes) -> dict[str, object]:
         try:
             message = orjson.loads(line)
-            if not isinstance(message, dict) or message.get("op") not in ("pull", "renew"):
-                raise PullError("expected a pull or a renewal")
+            if not isinstance(message, dict) or message.get("op") not in (
+                "pull",
+                "renew",
+                "release",
+            ):
+                raise PullError("expected a pull, a renewal or a release")
             if message.get("engine_id") != self._engine_id():
                 raise PullError(f"unknown engine id {message.get('engine_id')!r}")
             request_id, block_ids = message.get("request_id"), message.get("block_ids")
-            if message["op"] == "renew":
+            if message["op"] in ("renew", "release"):
                 if not isinstance(request_id, str):
-                    raise PullError("a renewal needs a request_id string")
-                self._holds().renew(request_id)
+                    raise PullError(f"a {message['op']} needs a request_id string")
+                if message["op"] == "renew":
+                    self._holds().renew(request_id)
+                else:
+                    self._holds().release(request_id)
                 return {"ok": True}
             if not isinstance(request_id, str) or not isinstance(block_ids, list):
                 raise PullError("a pull needs a request_id string and a block_ids list")
@@ -215,6 +228,11 @@ async def renew_lease_every(
         request = {"op": "renew", "engine_id": engine_id, "request_id": request_id}
         with contextlib.suppress(PullError):
             await _exchange(host, port, request)
+
+
+async def release_blocks(host: str, port: int, engine_id: str, request_id: str) -> None:
+    """Tell a producer its held blocks are not wanted; raises PullError on failure."""
+    await _exchange(host, port, {"op": "release", "engine_id": engine_id, "request_id": request_id})
 
 
 async def pull_blocks(

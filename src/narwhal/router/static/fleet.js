@@ -117,7 +117,7 @@ function abandonedFact(abandoned) {
     "span",
     { "data-field": "abandoned", class: abandoned.pinned_blocks ? "recent-failure" : "" },
     `abandoned handoffs ${abandoned.handoffs} · ${abandoned.blocks} blocks · ` +
-      `${abandoned.pinned_blocks} pinned now`,
+      `${abandoned.released} released · ${abandoned.pinned_blocks} pinned now`,
   );
 }
 

@@ -1,0 +1,47 @@
+"""Releases of abandoned handoffs, in the background: the request that dropped a
+descriptor does not wait for its release, and the router waits for none at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.engines.release import release_handoff
+from narwhal.protocol.errors import NarwhalError
+from narwhal.router.abandoned import AbandonedHandoffs, Abandonment
+
+
+class Releases:
+    """Asks consumers to free abandoned handoffs' blocks; each outcome goes to `abandoned`."""
+
+    def __init__(
+        self, client: EngineClient, abandoned: AbandonedHandoffs, timeout_s: float
+    ) -> None:
+        self.client = client
+        self.abandoned = abandoned
+        self.timeout_s = timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, consumer_url: str, result: PrefillResult, lost: Abandonment) -> None:
+        task = asyncio.create_task(self._release(consumer_url, result, lost))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, consumer_url: str, result: PrefillResult, lost: Abandonment) -> None:
+        # Only a descriptor that passes every handoff rule goes to a consumer: a malformed
+        # one, or one naming another host, is never handed on, not even to be released.
+        try:
+            descriptor = await self.client.handoff_descriptor(consumer_url, result.endpoint, result)
+        except NarwhalError:
+            descriptor = None
+        freed = descriptor is not None and await release_handoff(
+            self.client, consumer_url, result.request_id, descriptor, self.timeout_s
+        )
+        self.abandoned.released(lost, freed)
+
+    async def close(self) -> None:
+        """Cancel releases still under way: their blocks go at the end of the lease."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
