@@ -10,7 +10,7 @@ from narwhal.controller_config import ControllerConfig, SloConfig
 from narwhal.router.control_loop import ControlLoop, split
 from narwhal.router.controller import TOWARD_PREFILL, Observation, PhaseLoad
 from narwhal.router.fleet import EngineEvent, Fleet, Phase
-from narwhal.router.operations import FleetOperations
+from narwhal.router.operations import FleetOperations, OperationError
 from narwhal.router.phase_latency import PhaseLatency
 
 SPECS = (
@@ -109,3 +109,23 @@ async def test_an_operator_role_change_ends_the_acting_role() -> None:
     rig.ops.patch("a", {"role": "decode"}, force=True)
     assert rig.fleet.by_id["a"].role is Role.DECODE and rig.fleet.by_id["a"].acting is None
     assert split(rig.fleet)["prefill"] == 0
+
+
+def test_operations_refuse_moves_of_pinned_fixed_role_engines_and_at_floors() -> None:
+    specs = (
+        EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),
+        EngineSpec("b", "http://10.0.0.2:1", Role.DECODE),
+        EngineSpec("c", "http://10.0.0.3:1", Role.BOTH, start_as=Role.DECODE, pin=True),
+    )
+    fleet = Fleet(specs)
+    ops = FleetOperations(fleet, Config("m", specs), None)
+    refused = []
+    for engine, role in (("b", Role.PREFILL), ("c", Role.PREFILL), ("a", Role.DECODE)):
+        try:
+            ops.move(engine, role, "test", now=1.0)
+        except OperationError as error:
+            refused.append((engine, error.status, error.message))
+    assert [(e, s) for e, s, _ in refused] == [("b", 409), ("c", 409), ("a", 409)]
+    assert "pinned" in refused[1][2]
+    assert "no admitted engine to prefill" in refused[2][2]
+    assert [e.role for e in fleet.engines] == [Role.PREFILL, Role.DECODE, Role.DECODE]
