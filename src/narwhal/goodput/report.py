@@ -113,6 +113,8 @@ def controller_document(
         "moves": summary.get("moves", {}),
         "timeline": summary.get("timeline", []),
         "final_split": summary.get("split"),
+        # Why it held at the end when it did not move (e.g. "donor_slo").
+        "last_decision": summary.get("last_decision"),
     }
 
 
