@@ -33,6 +33,7 @@ from narwhal.config import (
     parse_config,
     validate_command,
 )
+from narwhal.controller_config import ControllerConfig, SloConfig
 from narwhal.tracing_config import TracingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +127,8 @@ def test_every_key_is_documented() -> None:
         EngineContract,
         EngineSpec,
         TracingConfig,
+        ControllerConfig,
+        SloConfig,
     ]
     keys = {f.name for cls in classes for f in dataclasses.fields(cls)} - {"extra"}
     assert {key for key in keys if f"`{key}`" not in doc} == set()

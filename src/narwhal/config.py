@@ -21,6 +21,13 @@ from types import MappingProxyType
 from typing import Final, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
+from narwhal.controller_config import (
+    ControllerConfig,
+    SloConfig,
+    controller_summary,
+    parse_controller,
+    parse_slo,
+)
 from narwhal.tracing_config import TracingConfig, parse_tracing
 
 
@@ -40,6 +47,10 @@ class Role(enum.StrEnum):
     def can_decode(self) -> bool:
         """Whether the engine may be a consumer (run the decode leg)."""
         return self is not Role.PREFILL
+
+    def can_do(self, phase: str) -> bool:
+        """Whether the role serves a phase named "prefill" or "decode"."""
+        return self.can_prefill if phase == "prefill" else self.can_decode
 
 
 class RestartPolicy(enum.StrEnum):
@@ -166,6 +177,15 @@ class EngineSpec:
     max_decode_seats: int = 256
     identity_url: str | None = None
     kv_hosts: tuple[str, ...] = ()
+    # For role `both` (an engine run as kv_both): the phase it serves at start, "prefill"
+    # or "decode"; None serves both. The role controller moves such engines.
+    start_as: Role | None = None
+    # The role controller never moves a pinned engine.
+    pin: bool = False
+
+    @property
+    def starting_role(self) -> Role:
+        return self.start_as or self.role
 
 
 # The safety margin kept between the handoff bound and the producer's KV lease.
@@ -185,6 +205,8 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     engine_contract: EngineContract | None = None
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -301,6 +323,8 @@ def _summary(config: Config, source: str) -> str:
         f"  engine contract: {pinned}",
         f"  tracing: {_tracing_summary(config.tracing)}",
     ]
+    if config.controller.enabled:
+        lines.append(f"  role controller: {controller_summary(config.controller, config.slo)}")
     if config.derived:
         lines.append(
             "  (derived): unset, so clamped from the default to fit the key it must not exceed"
@@ -593,6 +617,8 @@ def _build(raw: object, source: str) -> Config:
     recovery = _recovery(top.table("recovery"))
     journal = _journal(top.table("journal"))
     tracing = parse_tracing(top.table("tracing"))
+    controller = parse_controller(top.table("controller"))
+    slo = parse_slo(top.table("slo"))
     contract_table = top.optional_table("engine_contract")
     contract = _contract(contract_table) if contract_table else None
     entries = top.items("engines")
@@ -612,6 +638,8 @@ def _build(raw: object, source: str) -> Config:
         journal,
         contract,
         tracing,
+        controller,
+        slo,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)
@@ -767,9 +795,37 @@ def _engine_spec(table: _Table) -> EngineSpec:
         max_decode_seats=table.integer("max_decode_seats", d.max_decode_seats, 0),
         identity_url=identity_url,
         kv_hosts=table.strings("kv_hosts", pattern=_HOST),
+        start_as=_start_as(table),
+        pin=_pin(table),
     )
+    if spec.start_as is not None and spec.role is not Role.BOTH and not table.failed():
+        table.fail(
+            "start_as",
+            f'needs role "both" (an engine that can serve either phase), got role '
+            f"{_show(spec.role.value)}",
+        )
     table.close()
     return spec
+
+
+def _start_as(table: _Table) -> Role | None:
+    if not table.has("start_as"):
+        table.take("start_as", required=False)
+        return None
+    value = table.take("start_as", required=False)
+    if value in (Role.PREFILL.value, Role.DECODE.value):
+        return Role(value)
+    table.fail("start_as", f'must be "prefill" or "decode", got {_show(value)}')
+    return None
+
+
+def _pin(table: _Table) -> bool:
+    value = table.take("pin", required=False)
+    if isinstance(value, bool):
+        return value
+    if table.has("pin"):
+        table.fail("pin", f"must be true or false, got {_show(value)}")
+    return False
 
 
 def _url_defect(url: str, *, path_ok: bool) -> str | None:
@@ -880,9 +936,9 @@ def _check_engines(
     # A stand-in role must not decide whether the fleet can serve a leg.
     if not complete or any(problems.failed(f"{path}.role") for path in engines):
         return
-    if not any(spec.role.can_prefill for spec in engines.values()):
+    if not any(spec.starting_role.can_prefill for spec in engines.values()):
         problems.add("engines", 'no engine may prefill: give one the role "prefill" or "both"')
-    if not any(spec.role.can_decode for spec in engines.values()):
+    if not any(spec.starting_role.can_decode for spec in engines.values()):
         problems.add("engines", 'no engine may decode: give one the role "decode" or "both"')
 
 

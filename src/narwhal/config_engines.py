@@ -52,6 +52,9 @@ class EnginePatch:
             ),
             identity_url=spec.identity_url,
             kv_hosts=spec.kv_hosts,
+            # A new role ends the starting phase a role `both` engine was given.
+            start_as=spec.start_as if self.role in (None, spec.role) else None,
+            pin=spec.pin,
         )
 
 

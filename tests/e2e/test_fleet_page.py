@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from playwright.async_api import Browser, Dialog, Error, Page, async_playwright, expect
 
+from narwhal.router.controller import Observation, PhaseLoad
 from narwhal.router.page import ASSET_TYPES
 from narwhal.secrets import Secrets
 from support import COMPLETION, Stack, StackFactory, arm
@@ -218,3 +221,52 @@ async def test_drain_and_readmit_buttons_use_the_admin_key_the_page_asked_for(
         events = [line["event"] for line in await stack.journal(3, kind="engine")]
         assert events == ["draining", "drained", "readmitted"]
         assert errors == []
+
+
+async def test_the_page_shows_roles_and_the_role_controllers_moves(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    roles = (("a", "both"), ("b", "both"), ("c", "both"))
+    starts = {
+        "a": {"start_as": "prefill"},
+        "b": {"start_as": "decode"},
+        "c": {"start_as": "decode"},
+    }
+    controller = {"enabled": True, "interval_s": 3600.0, "dwell_s": 0.0, "min_samples": 1}
+    async with make_stack(roles, engine_keys=starts, controller=controller) as stack:
+        page = await open_page(browser, stack, "/", 1280, 800)
+        await expect(page.locator("#controller")).to_be_visible()
+        await expect(page.locator('[data-engine="b"] [data-field="role"]')).to_have_text(
+            "both: decode"
+        )
+        # One decision on a made-up observation: prefill well over its objective.
+        loop = stack.server.router.controller
+        assert loop is not None
+        real = loop.observe
+
+        def pressured(now: float) -> Observation:
+            seen = real(now)
+            return replace(seen, prefill=PhaseLoad(10.0, 50), decode=PhaseLoad(0.001, 50))
+
+        loop.source = pressured
+        decision = loop.step(asyncio.get_running_loop().time())
+        assert decision.move is not None
+        moved = decision.move.engine
+        card = page.locator(f'[data-engine="{moved}"]')
+        await expect(card.locator('[data-field="role"]')).to_have_text(
+            "both: prefill", timeout=LIVE_MS
+        )
+        await expect(page.locator("#controller-split")).to_have_text(
+            "2 prefill · 1 decode · 0 both"
+        )
+        await expect(page.locator("#controller-timeline li")).to_contain_text(
+            f"{moved} decode → prefill (ttft_pressure)"
+        )
+
+
+async def test_the_page_hides_the_controller_when_it_is_off(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    async with make_stack(FOUR) as stack:
+        page = await open_page(browser, stack, "/", 1280, 800)
+        await expect(page.locator("#controller")).to_be_hidden()

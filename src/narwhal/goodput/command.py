@@ -5,7 +5,9 @@
 For each split (1..N-1 prefill engines, the rest decode) a router is started over the same
 simulated engines and the trace is replayed through it; the table and the JSON report
 goodput (requests per second meeting both the TTFT and the TPOT SLO) and TTFT/TPOT
-percentiles per trace phase, and the best split overall and per phase.
+percentiles per trace phase, and the best split overall and per phase. Then, on the same
+engines and trace, a router with the role controller on, starting from the middle split,
+is scored the same way beside them (`--no-controller` skips it).
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ from typing import Any
 import orjson
 
 from narwhal.goodput.capacity import suggested_rate
-from narwhal.goodput.replay import KV_LEASE_S, FleetProcess, SplitRun, run_split
-from narwhal.goodput.report import document, plot, table
+from narwhal.goodput.replay import (
+    KV_LEASE_S,
+    FleetProcess,
+    SplitRun,
+    controller_sections,
+    run_split,
+)
+from narwhal.goodput.report import controller_document, controller_table, document, plot, table
 from narwhal.goodput.score import PhaseStats, Slo, default_slo, split_stats
 from narwhal.goodput.traces import SHAPES, TraceRequest, generate, parse_jsonl, phase_durations
 from narwhal.sim.options import profile_options
@@ -40,6 +48,12 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
     add("--splits", help="prefill counts to try, e.g. 1,3 (default: 1..N-1)")
     add("--slo-ttft", type=float, help="TTFT SLO in seconds (default: from the profile)")
     add("--slo-tpot", type=float, help="TPOT SLO in seconds (default: from the profile)")
+    add(
+        "--no-controller",
+        dest="controller",
+        action="store_false",
+        help="skip the role controller run",
+    )
     add("--out", type=Path, default=Path("goodput.json"), help="JSON report")
     add("--plot", type=Path, help="also draw a PNG chart (needs matplotlib)")
 
@@ -95,6 +109,8 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     durations = phase_durations(trace, duration)
     results: Results = {}
     runs: list[dict[str, Any]] = []
+    controlled: dict[str, PhaseStats] | None = None
+    control_run: SplitRun | None = None
     fields = {"profile": args.profile, "speed": args.speed, "kv_lease_s": KV_LEASE_S}
     async with FleetProcess(args.engines, fields) as fleet:
         for prefill in splits:
@@ -109,12 +125,14 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
                     "router_client_cpu_s": round(run.router_client_cpu_s, 2),
                 }
             )
-            print(
-                f"split {run.prefill}P{run.decode}D: {run.wall_s:.1f} s wall, engines "
-                f"{run.engine_cpu_s:.1f} s CPU, router+client {run.router_client_cpu_s:.1f} s CPU",
-                file=sys.stderr,
-                flush=True,
+            _progress(f"split {run.prefill}P{run.decode}D", run)
+        if getattr(args, "controller", True):
+            start = args.engines // 2
+            control_run = await run_split(
+                fleet, start, trace, args.speed, controller=controller_sections(slo, args.speed)
             )
+            controlled = split_stats(control_run.outcomes, slo, durations)
+            _progress(f"controller from {start}P{args.engines - start}D", control_run)
     meta = {
         "profile": args.profile,
         "engines": args.engines,
@@ -126,7 +144,19 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "phase_durations_s": durations,
     }
-    return results, document(meta, results, runs)
+    report = document(meta, results, runs)
+    if controlled is not None and control_run is not None:
+        report["controller"] = controller_document(control_run, controlled, results)
+    return results, report
+
+
+def _progress(what: str, run: SplitRun) -> None:
+    print(
+        f"{what}: {run.wall_s:.1f} s wall, engines {run.engine_cpu_s:.1f} s CPU, "
+        f"router+client {run.router_client_cpu_s:.1f} s CPU",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def goodput_command(args: argparse.Namespace) -> int:
@@ -143,6 +173,8 @@ async def goodput_command(args: argparse.Namespace) -> int:
         f"{slo['ttft_s'] * 1000:.0f} ms, TPOT <= {slo['tpot_s'] * 1000:.1f} ms\n"
     )
     print(table(results, args.engines))
+    if "controller" in report:
+        print("\n" + controller_table(report["controller"], results, args.engines))
     args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"\nJSON report: {args.out}")
     if args.plot is not None:

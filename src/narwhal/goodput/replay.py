@@ -14,7 +14,7 @@ import asyncio
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from narwhal.config import parse_config
-from narwhal.goodput.score import Outcome
+from narwhal.goodput.score import Outcome, Slo
 from narwhal.goodput.traces import TraceRequest
 from narwhal.router.app import RouterServer
 from narwhal.sim.model import VOCAB_SIZE
@@ -89,16 +89,49 @@ class SplitRun:
     wall_s: float
     engine_cpu_s: float
     router_client_cpu_s: float
+    # The controller run: its state at the end (moves, timeline, split).
+    controller: dict[str, Any] | None = None
 
 
-def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
+def controller_sections(slo: Slo, speed: float) -> dict[str, Any]:
+    """`[controller]` and `[slo]` for the controller run, in wall seconds at `speed`.
+
+    Quick to react, since a trace phase lasts seconds to minutes: it decides every trace
+    second over the last 6, keeps an engine in a role at least 4 s and waits 3 s after a
+    move.
+    """
+    return {
+        "controller": {
+            "enabled": True,
+            "interval_s": 1.0 / speed,
+            "window_s": 6.0 / speed,
+            "dwell_s": 4.0 / speed,
+            "cooldown_s": 3.0 / speed,
+            "min_samples": 8,
+        },
+        "slo": {"ttft_s": slo.ttft_s / speed, "tpot_s": slo.tpot_s / speed},
+    }
+
+
+def router_config(
+    urls: Sequence[str], prefill: int, controller: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The router for one split: the first `prefill` engines prefill, the rest decode.
 
     Timeouts and KV leases are long, seats unlimited and the breaker patient, so an
     overloaded split shows as latency (and missed SLOs) rather than as refusals, expired
     handoffs or ejected engines: the experiment is about capacity, not recovery.
+
+    With `controller` (see `controller_sections`) every engine has role `both`, starts as
+    that split and the role controller may move it.
     """
+
+    def role(i: int) -> dict[str, Any]:
+        start = "prefill" if i < prefill else "decode"
+        return {"role": "both", "start_as": start} if controller else {"role": start}
+
     return {
+        **(controller or {}),
         "model": MODEL,
         "server": {"host": "127.0.0.1", "port": 0},
         "engine": {
@@ -114,7 +147,7 @@ def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
             {
                 "id": f"e{i}",
                 "url": url,
-                "role": "prefill" if i < prefill else "decode",
+                **role(i),
                 "max_prefill_seats": 0,
                 "max_decode_seats": 0,
             }
@@ -124,16 +157,26 @@ def router_config(urls: Sequence[str], prefill: int) -> dict[str, Any]:
 
 
 async def run_split(
-    fleet: FleetProcess, prefill: int, trace: Sequence[TraceRequest], speed: float
+    fleet: FleetProcess,
+    prefill: int,
+    trace: Sequence[TraceRequest],
+    speed: float,
+    *,
+    controller: Mapping[str, Any] | None = None,
 ) -> SplitRun:
-    config = parse_config(router_config(fleet.urls, prefill), source="narwhal goodput")
-    server = RouterServer(config)
+    """One static split, or with `controller` the role controller starting from it."""
+    raw = router_config(fleet.urls, prefill, controller)
+    server = RouterServer(parse_config(raw, source="narwhal goodput"))
     await server.start()
     engine_cpu = await fleet.cpu_seconds()
     own_cpu = time.process_time()
     started = time.monotonic()
+    salt = f"{'controller' if controller else 'split'}-{prefill}"
+    summary = None
     try:
-        outcomes = await replay(server.url, trace, speed, salt=f"split-{prefill}")
+        outcomes = await replay(server.url, trace, speed, salt=salt)
+        if server.router.controller is not None:
+            summary = server.router.controller.summary()
     finally:
         await server.shutdown(1.0)
     return SplitRun(
@@ -143,6 +186,7 @@ async def run_split(
         wall_s=time.monotonic() - started,
         engine_cpu_s=await fleet.cpu_seconds() - engine_cpu,
         router_client_cpu_s=time.process_time() - own_cpu,
+        controller=summary,
     )
 
 

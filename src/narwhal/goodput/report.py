@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from narwhal.goodput.score import ALL, PhaseStats, best_split
+
+if TYPE_CHECKING:
+    from narwhal.goodput.replay import SplitRun
 
 
 def _ms(value: float | None) -> str:
@@ -89,3 +92,61 @@ def document(
         ],
         "best": best_by_phase(results),
     }
+
+
+def controller_document(
+    run: SplitRun, stats: Mapping[str, PhaseStats], results: Mapping[int, Mapping[str, PhaseStats]]
+) -> dict[str, Any]:
+    """The controller run in the JSON report: its phases, its moves, and its goodput over
+    the best static split's, overall and per phase."""
+    summary = run.controller or {}
+    versus: dict[str, float | None] = {}
+    for phase, mine in stats.items():
+        best = best_split(results, phase)
+        theirs = results[best][phase].goodput_rps if best is not None else 0.0
+        versus[phase] = round(mine.goodput_rps / theirs, 3) if theirs else None
+    return {
+        "start": {"prefill": run.prefill, "decode": run.decode},
+        "wall_s": round(run.wall_s, 2),
+        "phases": {phase: s.to_json() for phase, s in stats.items()},
+        "vs_best_static": versus,
+        "moves": summary.get("moves", {}),
+        "timeline": summary.get("timeline", []),
+        "final_split": summary.get("split"),
+        # Why it held at the end when it did not move (e.g. "donor_slo").
+        "last_decision": summary.get("last_decision"),
+    }
+
+
+def controller_table(
+    doc: Mapping[str, Any], results: Mapping[int, Mapping[str, PhaseStats]], engines: int
+) -> str:
+    """The controller run's goodput per phase beside the best static split's."""
+    start = doc["start"]
+    header = (
+        f"{'controller':>10} {'phase':<14} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
+        f"{'best static':>18}  {'ratio':>5}"
+    )
+    lines = [
+        f"role controller, starting from {start['prefill']}P{start['decode']}D:",
+        header,
+        "-" * len(header),
+    ]
+    for phase, stats in doc["phases"].items():
+        best = best_split(results, phase)
+        best_text = (
+            f"{best}P{engines - best}D {results[best][phase].goodput_rps:.2f}"
+            if best is not None
+            else "-"
+        )
+        ratio = doc["vs_best_static"].get(phase)
+        lines.append(
+            f"{'':>10} {phase:<14} {stats['requests']:>5} {stats['good']:>5} "
+            f"{stats['goodput_rps']:>9.2f}  {best_text:>18}  "
+            f"{'-' if ratio is None else f'{ratio:.2f}x':>5}"
+        )
+    moves = ", ".join(
+        f"{m['engine']} {m['from']}->{m['to']} ({m['reason']})" for m in doc["timeline"]
+    )
+    lines.append(f"moves: {moves or 'none'}")
+    return "\n".join(lines)

@@ -30,7 +30,7 @@ request_log = logging.getLogger("narwhal.request")
 
 def engine_entry(event: EngineEvent) -> dict[str, Any]:
     """The journal line for an engine state change."""
-    return {
+    entry: dict[str, Any] = {
         "type": "engine",
         "ts": time.time(),
         "event": event.kind,
@@ -38,6 +38,11 @@ def engine_entry(event: EngineEvent) -> dict[str, Any]:
         "result": event.result,
         "detail": event.detail,
     }
+    if event.reason is not None:
+        entry["reason"] = event.reason
+    if event.inputs is not None:
+        entry["inputs"] = dict(event.inputs)
+    return entry
 
 
 def log_engine_event(event: EngineEvent) -> None:

@@ -28,11 +28,11 @@ import asyncio
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from narwhal.config import EngineSpec
+from narwhal.config import EngineSpec, Role
 from narwhal.engines.scrape import EngineReport
 from narwhal.protocol.errors import Cause, NarwhalError
 
@@ -98,8 +98,22 @@ class Engine:
     draining: bool = False
     # Delete it once drained (a reload dropped it from the config file).
     remove_when_drained: bool = False
-    # Stored for a role controller: its role is the operator's to choose.
+    # The role controller never moves it: its role is the operator's to choose.
     pinned: bool = False
+    # For an engine of role `both`: the one phase it serves now (its `start_as`, or where
+    # the role controller moved it); None serves both.
+    acting: Role | None = None
+    # Event-loop time of its last role change by the controller; None: since start.
+    role_since: float | None = None
+
+    @property
+    def role(self) -> Role:
+        """The role placement uses: the phase it acts in, within what its spec allows."""
+        return (
+            self.acting
+            if self.acting is not None and self.spec.role is Role.BOTH
+            else self.spec.role
+        )
 
     @property
     def id(self) -> str:
@@ -119,7 +133,7 @@ class Engine:
         return EngineState.ADMITTED
 
     def serves(self, phase: Phase) -> bool:
-        role = self.spec.role
+        role = self.role
         return role.can_prefill if phase is Phase.PREFILL else role.can_decode
 
     def busy(self) -> bool:
@@ -151,11 +165,15 @@ class EngineEvent:
     """A change in an engine's standing, for the journal, metrics and logs."""
 
     # "quarantined", "ejected", "spared", "probe", "readmitted", "silent_recompute";
-    # operators' changes: "added", "changed", "draining", "drained", "removed"
+    # operators' changes: "added", "changed", "draining", "drained", "removed";
+    # the role controller's: "role_change", "role_advice"
     kind: str
     engine: str
     detail: str = ""
     result: str | None = None  # probes: "success", "failure", "inconclusive"
+    # The role controller's "role_change" and "role_advice": why, and what it measured.
+    reason: str | None = None
+    inputs: Mapping[str, object] | None = field(default=None, compare=False, hash=False)
 
 
 EventListener = Callable[[EngineEvent], None]
@@ -218,7 +236,7 @@ class Fleet:
         queue_timeout_s: float = 30.0,
         rng: random.Random | None = None,
     ) -> None:
-        self.engines = [Engine(spec) for spec in specs]
+        self.engines = [_engine(spec) for spec in specs]
         self.by_id = {engine.id: engine for engine in self.engines}
         self.queue_capacity = queue_capacity
         self.queue_timeout_s = queue_timeout_s
@@ -262,7 +280,8 @@ class Fleet:
         """A new engine, out of placement until readmission has judged it as it judges a
         restarted one (health, the pinned contract, a real transfer with a partner): an
         operator's typo in a url or a model must not cost requests."""
-        engine = Engine(spec, ejected=True, ejection_reason=NOT_YET_PROBED)
+        engine = _engine(spec)
+        engine.ejected, engine.ejection_reason = True, NOT_YET_PROBED
         self.engines.append(engine)
         self.by_id[engine.id] = engine
         return engine
@@ -447,6 +466,10 @@ class Fleet:
                 head.future.set_result(reservation)
         finally:
             self._waking = False
+
+
+def _engine(spec: EngineSpec) -> Engine:
+    return Engine(spec, pinned=spec.pin, acting=spec.start_as)
 
 
 def _now() -> float:

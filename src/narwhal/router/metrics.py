@@ -23,12 +23,15 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from narwhal.config import Role
 from narwhal.engines.handoff import DescriptorRejected
 from narwhal.protocol.errors import Cause
+from narwhal.router.controller import MOVE_REASONS
 from narwhal.router.fleet import EngineState, Phase
 
 if TYPE_CHECKING:
     from narwhal.router.call import Call
+    from narwhal.router.control_loop import ControlLoop
     from narwhal.router.pipeline import Router
 
 # Seconds. Time to first token spans a cached 20 ms prefill to a queued long prompt.
@@ -210,6 +213,34 @@ class _ScrapeTimeCollector(Collector):
         yield _gauge("narwhal_retry_budget_credit", "Retry credits left.", budget.credit)
         yield _gaps_histogram(router)
         yield from _engine_metrics(router)
+        if router.controller is not None:
+            yield from _controller_metrics(router.controller)
+
+
+def _controller_metrics(controller: ControlLoop) -> Iterator[Metric]:
+    """The role controller (only when enabled): each engine's role, moves and advice."""
+    roles = GaugeMetricFamily(
+        "narwhal_engine_role",
+        "The phase an engine serves now: 1 for its current role, 0 for the others.",
+        labels=["engine", "role"],
+    )
+    for engine in controller.fleet.engines:
+        for role in Role:
+            roles.add_metric([engine.id, role.value], 1 if engine.role is role else 0)
+    moves = CounterMetricFamily(
+        "narwhal_controller_moves",
+        "Engines the role controller moved to another phase, by reason.",
+        labels=["reason"],
+    )
+    advice = CounterMetricFamily(
+        "narwhal_controller_advice",
+        "Moves the role controller advised in advisory mode (not applied), by reason.",
+        labels=["reason"],
+    )
+    for reason in MOVE_REASONS:
+        moves.add_metric([reason], controller.moves.get(reason, 0))
+        advice.add_metric([reason], controller.advice.get(reason, 0))
+    yield from (roles, moves, advice)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

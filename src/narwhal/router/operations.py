@@ -15,6 +15,8 @@ An engine's life under an operator:
 | change  | role change keeps phase floors      | new role, seat limits or pin; running        |
 |         |   (or `force`)                      |   requests keep their seats                  |
 | delete  | drained (idle)                      | forgotten: state, metrics, page              |
+| move    | role `both`, not pinned, floors     | the role controller's change of the phase it |
+|         |   hold                              |   acts in; running requests finish there     |
 
 **Phase floors.** A drain, or a role change, is refused (409) when it would leave a phase
 the engine serves with no *other* engine in service for it (admitted, or quarantined for a
@@ -34,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from narwhal.config import Config, ConfigError, EngineSpec, load_config
+from narwhal.config import Config, ConfigError, EngineSpec, Role, load_config
 from narwhal.config_engines import (
     parse_engine_entry,
     parse_engine_patch,
@@ -184,6 +187,55 @@ class FleetOperations:
         self._change(engine, spec, extra=(f"pinned {engine.pinned}",) if pin_changed else ())
         return engine
 
+    def move(
+        self,
+        engine_id: str,
+        to: Role,
+        why: str,
+        *,
+        reason: str | None = None,
+        inputs: Mapping[str, object] | None = None,
+        now: float | None = None,
+    ) -> Engine:
+        """The role controller's change: a role `both` engine now acts in `to` alone.
+
+        Placement sees the new role at once, so the engine takes no new work of its old
+        phase, while requests holding its seats finish there. Refused (409) for a pinned
+        engine, one whose spec role is not `both`, or a move that would leave a phase with
+        no other engine in service.
+        """
+        engine = self.engine(engine_id)
+        now = _now() if now is None else now
+        if engine.pinned:
+            raise OperationError(409, f"engine {engine_id} is pinned: its role stays")
+        if engine.spec.role is not Role.BOTH or to is Role.BOTH:
+            raise OperationError(
+                409,
+                f"engine {engine_id} has role {engine.spec.role.value}: only a role both "
+                "engine moves, to prefill or decode",
+            )
+        before = engine.role
+        if before is to:
+            return engine
+        dropped = tuple(p for p in Phase if engine.serves(p) and not to.can_do(p))
+        breach = floor_breach(self.fleet, engine, dropped, now)
+        if breach is not None:
+            raise OperationError(
+                409, f"moving engine {engine_id} would leave no admitted engine to {breach.value}"
+            )
+        engine.acting, engine.role_since = to, now
+        self.fleet.emit(
+            EngineEvent(
+                "role_change",
+                engine_id,
+                f"{before.value} -> {to.value}; {why}",
+                reason=reason,
+                inputs=inputs,
+            )
+        )
+        self.fleet.seat_freed()  # a new phase may serve waiters
+        return engine
+
     def delete(self, engine_id: str) -> None:
         """DELETE /narwhal/engines/{id}: only a drained, idle engine."""
         engine = self.engine(engine_id)
@@ -309,6 +361,8 @@ class FleetOperations:
         ] + list(extra)
         if not keys:
             return
+        if before.role != spec.role:
+            engine.acting = spec.start_as
         engine.spec = spec
         self.fleet.emit(EngineEvent("changed", engine.id, f"{', '.join(keys)}; {why}"))
         self.fleet.seat_freed()  # more seats, or a new phase, may serve waiters

@@ -29,12 +29,14 @@ from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
+from narwhal.router.control_loop import ControlLoop
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Phase, Reservation
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.operations import FleetOperations
+from narwhal.router.phase_latency import PhaseLatency
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
@@ -116,6 +118,15 @@ class Router:
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
+        # The role controller, only when `[controller] enabled`.
+        self.controller: ControlLoop | None = None
+        self._controlling: asyncio.Task[None] | None = None
+        if config.controller.enabled:
+            latency = PhaseLatency()
+            self.call_hooks.append(latency.add)
+            self.controller = ControlLoop(
+                self.fleet, self.operations, config.controller, config.slo, latency
+            )
 
     async def start(self) -> None:
         await self.client.__aenter__()
@@ -128,10 +139,12 @@ class Router:
                 self.fleet, self.client.session, interval, self.config.engine.health_timeout_s
             )
             self._reading = asyncio.create_task(reports.run(), name="engine-reports")
+        if self.controller is not None:
+            self._controlling = asyncio.create_task(self.controller.run(), name="role-controller")
 
     async def stop(self) -> None:
         await self.releases.close()
-        for task in (self._readmitting, self._reading):
+        for task in (self._readmitting, self._reading, self._controlling):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -39,6 +39,9 @@ def snapshot(router: Router) -> dict[str, Any]:
         },
         "recent": router.recent.summary(time.perf_counter()),
         "engines": [engine_entry(engine, now, router.abandoned) for engine in router.fleet.engines],
+        "controller": (
+            router.controller.summary() if router.controller is not None else {"enabled": False}
+        ),
     }
 
 
@@ -50,6 +53,8 @@ def engine_entry(
         "id": engine.id,
         "url": engine.url,
         "role": engine.spec.role.value,
+        # The phase it serves now: its role, or for a role `both` engine the one it acts in.
+        "acting": engine.role.value,
         "state": engine.state(now).value,
         "quarantined_for_s": round(max(0.0, engine.quarantined_until - now), 3),
         "streak": engine.streak,

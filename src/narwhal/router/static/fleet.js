@@ -138,12 +138,12 @@ function engineCard(engine, before) {
       "div",
       { class: "engine-head" },
       el("span", { class: "engine-id" }, engine.id),
-      el("span", { class: "badge", "data-field": "role" }, engine.role),
+      el("span", { class: "badge", "data-field": "role" }, roleText(engine)),
       el("span", { class: "badge state", "data-field": "state", "data-state": engine.state }, engine.state),
     ),
     el("div", { class: "url" }, engine.url),
-    engine.role !== "decode" ? seatRow("prefill", engine.seats.prefill) : null,
-    engine.role !== "prefill" ? seatRow("decode", engine.seats.decode) : null,
+    acting(engine) !== "decode" ? seatRow("prefill", engine.seats.prefill) : null,
+    acting(engine) !== "prefill" ? seatRow("decode", engine.seats.decode) : null,
     el(
       "div",
       { class: "facts" },
@@ -179,6 +179,38 @@ function engineCard(engine, before) {
         )
       : null,
   );
+}
+
+// The phase an engine serves now; a role both engine may act in one phase only.
+function acting(engine) {
+  return engine.acting || engine.role;
+}
+
+function roleText(engine) {
+  return acting(engine) === engine.role ? engine.role : `${engine.role}: ${acting(engine)}`;
+}
+
+// The role controller, when enabled: its split, last decision and recent role changes.
+function renderController(controller) {
+  const section = document.getElementById("controller");
+  if (!controller || !controller.enabled) {
+    section.hidden = true;
+    return;
+  }
+  section.hidden = false;
+  const split = controller.split || {};
+  text("controller-mode", controller.advisory ? "advisory: decides, changes nothing" : "on");
+  text("controller-split", `${split.prefill ?? 0} prefill · ${split.decode ?? 0} decode · ${split.both ?? 0} both`);
+  const last = controller.last_decision;
+  text("controller-last", last ? `${last.move ? `move ${last.move.engine} ${last.move.from} → ${last.move.to}` : "hold"}: ${last.reason}, ${last.detail}` : "none yet");
+  const items = [...(controller.timeline || [])].reverse().map((m) =>
+    el(
+      "li",
+      {},
+      `${new Date(m.ts * 1000).toLocaleTimeString()} ${m.engine} ${m.from} → ${m.to} (${m.reason})${m.applied ? "" : " advised"}`,
+    ),
+  );
+  document.getElementById("controller-timeline").replaceChildren(...items);
 }
 
 // Drain (no new work; running requests finish) or, once draining or drained, readmit.
@@ -220,6 +252,7 @@ function render(state) {
   text("queued", state.queued);
   text("credit", `${Math.floor(state.retry_budget.credit)}/${state.retry_budget.size}`);
   if (state.recent) renderRecent(state.recent);
+  renderController(state.controller);
   document.getElementById("engines").replaceChildren(...state.engines.map((e) => engineCard(e, before)));
   const status = document.getElementById("status");
   const word = serving(state);

@@ -1,0 +1,118 @@
+"""The role controller over simulated engines, real router, real sockets.
+
+Four engines of role `both`: one starts as prefill, three as decode, one of them pinned.
+Long prompts against a slow prefill and a tight TTFT objective make prefill the pressured
+phase; with a fast interval the controller moves one unpinned decode engine to prefill.
+Streaming clients run throughout: no request may fail, the requests running on the moved
+engine included, and the journal, `/narwhal/state` and `/metrics` name the move and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from support import MODEL, StackFactory
+
+ROLES = (("a", "both"), ("b", "both"), ("c", "both"), ("d", "both"))
+START = {
+    "a": {"start_as": "prefill"},
+    "b": {"start_as": "decode"},
+    "c": {"start_as": "decode"},
+    "d": {"start_as": "decode", "pin": True},
+}
+PROMPT = " ".join(f"tide{i}" for i in range(300))
+WAIT_S = 120.0  # generous: a busy 2-core machine; nothing here is timed tightly
+
+
+async def test_prefill_pressure_moves_one_engine_to_prefill(make_stack: StackFactory) -> None:
+    async with make_stack(
+        ROLES,
+        engine_keys=START,
+        sim={"prefill_s_per_token": 0.0005, "inter_token_s": 0.004},
+        controller={
+            "enabled": True,
+            "interval_s": 0.3,
+            "window_s": 10.0,
+            "dwell_s": 0.0,
+            "cooldown_s": 600.0,
+            "min_samples": 5,
+        },
+        slo={"ttft_s": 0.02, "tpot_s": 0.5},
+    ) as stack:
+        failures: list[str] = []
+        done = 0
+        stop = asyncio.Event()
+
+        async def client(index: int) -> None:
+            nonlocal done
+            while not stop.is_set():
+                body = {
+                    "model": MODEL,
+                    "prompt": f"{index} {done} {PROMPT}",
+                    "max_tokens": 30,
+                    "stream": True,
+                }
+                try:
+                    async with stack.http.post(stack.url + "/v1/completions", json=body) as r:
+                        text = (await r.read()).decode()
+                        if r.status != 200 or '"error"' in text or "[DONE]" not in text:
+                            failures.append(f"{r.status}: {text[-200:]}")
+                        else:
+                            done += 1
+                except Exception as error:  # every failure is recorded
+                    failures.append(repr(error))
+
+        clients = [asyncio.create_task(client(i)) for i in range(6)]
+        try:
+            state = await _until(stack, lambda s: s["controller"]["moves"] or None)
+            # Requests keep completing after the move, on the new split.
+            after = done
+            await _until(stack, lambda _: done >= after + 20)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        assert failures == []
+        assert done >= after + 20
+
+        controller = state["controller"]
+        assert controller["enabled"] is True and controller["advisory"] is False
+        assert controller["moves"] == {"ttft_pressure": 1}
+        move = controller["timeline"][0]
+        assert (move["from"], move["to"], move["reason"]) == ("decode", "prefill", "ttft_pressure")
+        moved = move["engine"]
+        assert moved in ("b", "c")
+        final = await (await stack.http.get(stack.url + "/narwhal/state")).json()
+        acting = {e["id"]: e["acting"] for e in final["engines"]}
+        assert acting["d"] == "decode"  # pinned
+        assert acting[moved] == "prefill"
+        assert final["controller"]["split"] == {"prefill": 2, "decode": 2, "both": 0}
+        # Every seat is free again: requests on the moved engine finished there.
+        for engine in final["engines"]:
+            assert engine["seats"]["prefill"]["in_use"] == 0
+            assert engine["seats"]["decode"]["in_use"] == 0
+
+        events = await stack.journal(kind="engine")
+        change = next(line for line in events if line["event"] == "role_change")
+        assert change["engine"] == moved and change["reason"] == "ttft_pressure"
+        assert change["inputs"]["ttft_p90_s"] > 0.02
+        assert "decode -> prefill" in change["detail"]
+        requests = await stack.journal(kind="request")
+        assert any(line["producer"] == moved for line in requests)
+
+        metrics = await (await stack.http.get(stack.url + "/metrics")).text()
+        assert f'narwhal_engine_role{{engine="{moved}",role="prefill"}} 1.0' in metrics
+        assert 'narwhal_controller_moves_total{reason="ttft_pressure"} 1.0' in metrics
+
+
+async def _until(stack: Any, check: Any) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while True:
+        async with stack.http.get(stack.url + "/narwhal/state") as response:
+            state: dict[str, Any] = await response.json()
+        if check(state):
+            return state
+        if loop.time() > deadline:
+            raise AssertionError(f"no move in {WAIT_S} s: {state['controller']}")
+        await asyncio.sleep(0.2)

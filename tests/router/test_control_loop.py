@@ -1,0 +1,131 @@
+"""The control loop over a fake observation source: moves applied through operations,
+advice journaled and nothing applied, pins and refusals respected, state and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from narwhal.config import Config, EngineSpec, Role
+from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.router.control_loop import ControlLoop, split
+from narwhal.router.controller import TOWARD_PREFILL, Observation, PhaseLoad
+from narwhal.router.fleet import EngineEvent, Fleet, Phase
+from narwhal.router.operations import FleetOperations, OperationError
+from narwhal.router.phase_latency import PhaseLatency
+
+SPECS = (
+    EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),
+    EngineSpec("b", "http://10.0.0.2:1", Role.BOTH, start_as=Role.DECODE),
+    EngineSpec("c", "http://10.0.0.3:1", Role.BOTH, start_as=Role.DECODE),
+    EngineSpec("d", "http://10.0.0.4:1", Role.BOTH, start_as=Role.DECODE, pin=True),
+)
+CONFIG = ControllerConfig(enabled=True, dwell_s=0.0, cooldown_s=0.0, min_samples=1)
+SLO = SloConfig(ttft_s=1.0, tpot_s=0.05)
+
+
+class Rig:
+    def __init__(self, config: ControllerConfig = CONFIG, *, ttft: float = 4.0) -> None:
+        self.fleet = Fleet(SPECS)
+        self.events: list[EngineEvent] = []
+        self.fleet.listeners.append(self.events.append)
+        self.ops = FleetOperations(self.fleet, Config("m", SPECS), None)
+        self.ttft, self.tpot = ttft, 0.001
+        self.loop = ControlLoop(
+            self.fleet, self.ops, config, SLO, PhaseLatency(), source=self.observation
+        )
+
+    def observation(self, now: float) -> Observation:
+        real = self.loop.observe(now)
+        return replace(real, prefill=PhaseLoad(self.ttft, 50), decode=PhaseLoad(self.tpot, 50))
+
+    def roles(self) -> dict[str, str]:
+        return {e.id: e.role.value for e in self.fleet.engines}
+
+
+def test_start_as_sets_the_starting_role_and_pin_the_pin() -> None:
+    rig = Rig()
+    assert rig.roles() == {"a": "prefill", "b": "decode", "c": "decode", "d": "decode"}
+    assert rig.fleet.by_id["d"].pinned
+    assert [e.id for e in rig.fleet.admitted(Phase.PREFILL, 0.0)] == ["a"]
+
+
+def test_a_move_is_applied_through_operations_and_journaled() -> None:
+    rig = Rig()
+    decision = rig.loop.step(100.0)
+    assert decision.move is not None and decision.reason == TOWARD_PREFILL
+    moved = rig.fleet.by_id[decision.move.engine]
+    assert moved.id in ("b", "c") and moved.role is Role.PREFILL
+    assert moved.role_since == 100.0
+    event = next(e for e in rig.events if e.kind == "role_change")
+    assert event.engine == moved.id and event.reason == TOWARD_PREFILL
+    assert event.inputs is not None and event.inputs["ttft_p90_s"] == 4.0
+    assert "decode -> prefill" in event.detail
+    summary = rig.loop.summary()
+    assert summary["split"] == {"prefill": 2, "decode": 2, "both": 0}
+    assert summary["moves"] == {TOWARD_PREFILL: 1}
+    assert summary["last_decision"]["move"]["to"] == "prefill"
+    assert summary["timeline"][0]["applied"] is True
+
+
+def test_advisory_decides_the_same_and_applies_nothing() -> None:
+    real, advisory = Rig(), Rig(replace(CONFIG, advisory=True))
+    applied = real.loop.step(100.0)
+    advised = advisory.loop.step(100.0)
+    assert advised.move == applied.move and advised.reason == applied.reason
+    assert advisory.roles() == {"a": "prefill", "b": "decode", "c": "decode", "d": "decode"}
+    assert [e.kind for e in advisory.events] == ["role_advice"]
+    assert advisory.loop.summary()["advice"] == {TOWARD_PREFILL: 1}
+    assert advisory.loop.summary()["moves"] == {}
+
+
+def test_the_pinned_engine_never_moves() -> None:
+    rig = Rig()
+    for step in range(20):
+        rig.ttft = 4.0 + step  # fresh evidence every step
+        rig.loop.step(100.0 + step)
+    assert rig.fleet.by_id["d"].role is Role.DECODE
+    # Floors: one decode engine (the pinned one) stays.
+    assert sum(e.serves(Phase.DECODE) for e in rig.fleet.engines) >= 1
+
+
+def test_a_refused_move_changes_nothing() -> None:
+    rig = Rig()
+    rig.fleet.by_id["b"].pinned = True  # pinned between observation and move
+    rig.loop.source = lambda now: replace(
+        rig.observation(now),
+        engines=tuple(
+            replace(v, pinned=False) if v.id == "b" else replace(v, busy=99)
+            for v in rig.loop.observe(now).engines
+        ),
+    )
+    decision = rig.loop.step(100.0)
+    assert decision.move is not None and decision.move.engine == "b"
+    assert rig.fleet.by_id["b"].role is Role.DECODE
+    assert rig.loop.summary()["moves"] == {}
+
+
+async def test_an_operator_role_change_ends_the_acting_role() -> None:
+    rig = Rig()
+    rig.ops.patch("a", {"role": "decode"}, force=True)
+    assert rig.fleet.by_id["a"].role is Role.DECODE and rig.fleet.by_id["a"].acting is None
+    assert split(rig.fleet)["prefill"] == 0
+
+
+def test_operations_refuse_moves_of_pinned_fixed_role_engines_and_at_floors() -> None:
+    specs = (
+        EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),
+        EngineSpec("b", "http://10.0.0.2:1", Role.DECODE),
+        EngineSpec("c", "http://10.0.0.3:1", Role.BOTH, start_as=Role.DECODE, pin=True),
+    )
+    fleet = Fleet(specs)
+    ops = FleetOperations(fleet, Config("m", specs), None)
+    refused = []
+    for engine, role in (("b", Role.PREFILL), ("c", Role.PREFILL), ("a", Role.DECODE)):
+        try:
+            ops.move(engine, role, "test", now=1.0)
+        except OperationError as error:
+            refused.append((engine, error.status, error.message))
+    assert [(e, s) for e, s, _ in refused] == [("b", 409), ("c", 409), ("a", 409)]
+    assert "pinned" in refused[1][2]
+    assert "no admitted engine to prefill" in refused[2][2]
+    assert [e.role for e in fleet.engines] == [Role.PREFILL, Role.DECODE, Role.DECODE]

@@ -1,0 +1,244 @@
+"""The role controller's pure decision: floors, pins, dwell, cooldown, the band, direction."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from narwhal.config import Role
+from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.router.controller import (
+    TOWARD_DECODE,
+    TOWARD_PREFILL,
+    ControlState,
+    Decision,
+    EngineView,
+    Observation,
+    PhaseLoad,
+    after,
+    decide,
+    serving,
+)
+
+SLO = SloConfig(ttft_s=1.0, tpot_s=0.05)
+CONFIG = ControllerConfig(enabled=True, dwell_s=10.0, cooldown_s=5.0, min_samples=5)
+
+
+def engines(prefill: int, decode: int, *, since: float = 0.0) -> tuple[EngineView, ...]:
+    views = [EngineView(f"p{i}", Role.PREFILL, True, since=since) for i in range(prefill)]
+    views += [EngineView(f"d{i}", Role.DECODE, True, since=since) for i in range(decode)]
+    return tuple(views)
+
+
+def obs(
+    table: tuple[EngineView, ...], ttft: float, tpot: float, now: float = 100.0, samples: int = 50
+) -> Observation:
+    return Observation(now, table, PhaseLoad(ttft, samples), PhaseLoad(tpot, samples))
+
+
+def apply(table: tuple[EngineView, ...], decision: Decision, now: float) -> tuple[EngineView, ...]:
+    move = decision.move
+    if move is None:
+        return table
+    return tuple(replace(e, role=move.new, since=now) if e.id == move.engine else e for e in table)
+
+
+def test_prefill_pressure_moves_a_decode_engine_to_prefill() -> None:
+    decision = decide(obs(engines(2, 2), ttft=3.0, tpot=0.01), ControlState(), CONFIG, SLO)
+    assert decision.move is not None
+    assert (decision.move.old, decision.move.new) == (Role.DECODE, Role.PREFILL)
+    assert decision.reason == TOWARD_PREFILL
+    assert decision.inputs["ttft_p90_s"] == 3.0
+    assert "prefill pressure" in decision.explain()
+
+
+def test_decode_pressure_moves_a_prefill_engine_to_decode() -> None:
+    decision = decide(obs(engines(2, 2), ttft=0.1, tpot=0.1), ControlState(), CONFIG, SLO)
+    assert decision.move is not None
+    assert decision.move.new is Role.DECODE
+    assert decision.reason == TOWARD_DECODE
+
+
+def test_too_few_samples_holds() -> None:
+    decision = decide(obs(engines(2, 2), 3.0, 0.01, samples=2), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "samples"
+
+
+def test_inside_the_band_holds() -> None:
+    # Prefill at 1.2x its SLO, decode at 1.0x: under the 1.5 ratio.
+    decision = decide(obs(engines(2, 2), 1.2, 0.05), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason in ("band", "donor_slo")
+
+
+def test_both_well_within_objectives_holds() -> None:
+    decision = decide(obs(engines(2, 2), 0.5, 0.001), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "objectives"
+
+
+def test_cooldown_holds_then_releases() -> None:
+    state = ControlState(last_move_at=98.0)
+    held = decide(obs(engines(2, 2), 3.0, 0.01), state, CONFIG, SLO)
+    assert held.move is None and held.reason == "cooldown"
+    later = decide(obs(engines(2, 2), 3.0, 0.01, now=104.0), state, CONFIG, SLO)
+    assert later.move is not None
+
+
+def test_dwell_holds_recently_moved_engines() -> None:
+    table = engines(2, 2, since=95.0)
+    decision = decide(obs(table, 3.0, 0.01), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "candidates"
+
+
+def test_pinned_and_fixed_role_engines_are_never_candidates() -> None:
+    table = (
+        EngineView("p0", Role.PREFILL, True),
+        EngineView("d0", Role.DECODE, True, pinned=True),
+        EngineView("d1", Role.DECODE, False),
+        EngineView("d2", Role.DECODE, True, pinned=True),
+    )
+    decision = decide(obs(table, 3.0, 0.001), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "candidates"
+
+
+def test_the_floor_holds() -> None:
+    decision = decide(obs(engines(3, 1), 3.0, 0.001), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "floor"
+    config = replace(CONFIG, min_prefill=2)
+    decision = decide(obs(engines(2, 2), 0.01, 1.0), ControlState(), config, SLO)
+    assert decision.move is None and decision.reason == "floor"
+
+
+def test_a_donor_projected_over_its_slo_holds() -> None:
+    # Decode at 0.9 of its SLO with 2 engines: one fewer projects 1.8.
+    decision = decide(obs(engines(2, 2), 5.0, 0.045), ControlState(), CONFIG, SLO)
+    assert decision.move is None and decision.reason == "donor_slo"
+
+
+def test_the_least_busy_candidate_moves() -> None:
+    table = (
+        EngineView("p0", Role.PREFILL, True),
+        EngineView("d0", Role.DECODE, True, busy=7),
+        EngineView("d1", Role.DECODE, True, busy=2),
+        EngineView("d2", Role.DECODE, True, busy=5),
+    )
+    decision = decide(obs(table, 3.0, 0.001), ControlState(), CONFIG, SLO)
+    assert decision.move is not None and decision.move.engine == "d1"
+
+
+def test_the_same_evidence_moves_once() -> None:
+    table = engines(1, 3)
+    first = decide(obs(table, 3.0, 0.001), ControlState(), CONFIG, SLO)
+    assert first.move is not None
+    state = after(first, ControlState(), 100.0)
+    table = apply(table, first, 100.0)
+    # Long after cooldown and dwell, the same numbers do not move another engine.
+    again = decide(obs(table, 3.0, 0.001, now=1000.0), state, CONFIG, SLO)
+    assert again.move is None and again.reason == "same_evidence"
+
+
+# Property tests ---------------------------------------------------------------------
+
+views = st.builds(
+    EngineView,
+    id=st.sampled_from([f"e{i}" for i in range(8)]),
+    role=st.sampled_from(list(Role)),
+    capable=st.booleans(),
+    pinned=st.booleans(),
+    in_service=st.booleans(),
+    since=st.floats(0, 200),
+    busy=st.integers(0, 20),
+)
+tables = st.lists(views, min_size=1, max_size=8, unique_by=lambda e: e.id).map(tuple)
+latency = st.one_of(st.none(), st.floats(0.0001, 20.0))
+loads = st.builds(PhaseLoad, p90_s=latency, samples=st.integers(0, 100))
+observations = st.builds(
+    Observation, now=st.floats(0, 400), engines=tables, prefill=loads, decode=loads
+)
+configs = st.builds(
+    ControllerConfig,
+    enabled=st.just(True),
+    dwell_s=st.floats(0, 100),
+    cooldown_s=st.floats(0, 100),
+    min_prefill=st.integers(1, 3),
+    min_decode=st.integers(1, 3),
+    ratio=st.floats(1.0, 3.0),
+    min_pressure=st.floats(0, 2),
+    min_samples=st.integers(1, 30),
+)
+states = st.builds(
+    ControlState,
+    last_move_at=st.one_of(st.none(), st.floats(0, 400)),
+    last_evidence=st.one_of(st.none(), st.tuples(st.floats(0, 50), st.floats(0, 50))),
+)
+
+
+@given(observations, states, configs)
+def test_every_move_respects_the_rules(
+    observation: Observation, state: ControlState, config: ControllerConfig
+) -> None:
+    decision = decide(observation, state, config, SLO)
+    move = decision.move
+    if move is None:
+        return
+    engine = next(e for e in observation.engines if e.id == move.engine)
+    # Only an unpinned, in-service role both engine, past its dwell, from its current role.
+    assert engine.capable and not engine.pinned and engine.in_service
+    assert observation.now - engine.since >= config.dwell_s
+    assert engine.role is move.old and move.old is not Role.BOTH
+    assert {move.old, move.new} == {Role.PREFILL, Role.DECODE}
+    # Not within the cooldown.
+    assert state.last_move_at is None or observation.now - state.last_move_at >= config.cooldown_s
+    # Floors hold after the move.
+    table = apply(observation.engines, decision, observation.now)
+    assert serving(table, Role.PREFILL) >= min(
+        config.min_prefill, serving(observation.engines, Role.PREFILL)
+    )
+    assert serving(table, Role.DECODE) >= min(
+        config.min_decode, serving(observation.engines, Role.DECODE)
+    )
+    assert serving(table, move.old) >= (
+        config.min_prefill if move.old is Role.PREFILL else config.min_decode
+    )
+    # Toward the pressured phase, and outside the band.
+    assert observation.prefill.p90_s is not None and observation.decode.p90_s is not None
+    pp = observation.prefill.p90_s / SLO.ttft_s
+    pd = observation.decode.p90_s / SLO.tpot_s
+    high, low = (pp, pd) if move.new is Role.PREFILL else (pd, pp)
+    assert high >= low and high >= config.ratio * low and high >= config.min_pressure
+
+
+@given(
+    prefill=st.integers(1, 5),
+    decode=st.integers(1, 5),
+    ttft=st.floats(0.01, 10.0),
+    tpot=st.floats(0.0005, 0.5),
+    steps=st.integers(5, 60),
+    config=configs,
+)
+def test_a_steady_observation_moves_at_most_once(
+    prefill: int, decode: int, ttft: float, tpot: float, steps: int, config: ControllerConfig
+) -> None:
+    """However long the same latencies are reported, at most one engine moves."""
+    table = engines(prefill, decode)
+    state = ControlState()
+    moves = 0
+    for step in range(steps):
+        now = 1000.0 + step * 10.0
+        decision = decide(obs(table, ttft, tpot, now=now), state, config, SLO)
+        if decision.move is not None:
+            moves += 1
+            state = after(decision, state, now)
+            table = apply(table, decision, now)
+    assert moves <= 1
+
+
+@given(observations, states, configs)
+def test_at_most_one_engine_changes_per_decision(
+    observation: Observation, state: ControlState, config: ControllerConfig
+) -> None:
+    decision = decide(observation, state, config, SLO)
+    after_move = apply(observation.engines, decision, observation.now)
+    changed = [a for a, b in zip(observation.engines, after_move, strict=True) if a != b]
+    assert len(changed) == (0 if decision.move is None else 1)
