@@ -81,9 +81,10 @@ async def crossed_once(
     consumer's pulled prompt tokens before it.
 
     vLLM 0.32 on the CPU now and then answers a prefill only when that prefill's KV lease
-    ends (seen after a handoff was left unpulled); the router then rightly refuses the stale
-    descriptor and serves the request by fallback, which proves nothing about a handoff.
-    Such a request is asked again, at most twice, and counted in the session's figures.
+    ends (seen after a handoff was left unpulled), and a loaded machine may refuse a
+    connection; the router then rightly retries, by fallback when no other producer is
+    admitted, which proves nothing about a handoff. Such a request is asked again, at most
+    twice, and counted in the session's figures.
     """
     for _ in range(3):
         pulled = await counter(
@@ -94,10 +95,13 @@ async def crossed_once(
         entry = await real.journal_entry(request_id)
         if (entry["handoff"], entry["attempts"]) == ("crossed", 1):
             return routed, entry, pulled
+        # Retried past an engine's transient fault (an expired handoff, a refused
+        # connection on a loaded machine): the router's own recovery, proving no handoff.
         causes = [failure["cause"] for failure in entry["failures"]]
-        assert causes == ["handoff_expired"], entry
-        FIGURES["prefills answered only at their lease's end"] = str(
-            int(FIGURES.get("prefills answered only at their lease's end", "0")) + 1
+        assert entry["status"] == 200 and causes, entry
+        assert set(causes) <= {"handoff_expired", "connect", "first_token_timeout"}, entry
+        FIGURES["handoff requests asked again"] = str(
+            int(FIGURES.get("handoff requests asked again", "0")) + 1
         )
     raise AssertionError("no request crossed in three tries")
 
