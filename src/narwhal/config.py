@@ -304,7 +304,7 @@ def _build(raw: object, source: str) -> Config:
     for index, entry in enumerate(entries or ()):
         table = Table(problems, f"engines[{index}]", entry)
         if isinstance(entry, Mapping):
-            engines[table.where] = _engine_spec(table)
+            engines[table.where] = read_engine_spec(table)
     top.close()
     config = Config(
         model,
@@ -449,7 +449,7 @@ def _contract(table: Table) -> EngineContract:
     return contract
 
 
-def _engine_spec(table: Table) -> EngineSpec:
+def read_engine_spec(table: Table) -> EngineSpec:
     d = EngineSpec("", "", Role.BOTH)
     engine_id = table.string(
         "id",
@@ -530,7 +530,7 @@ def _url_defect(url: str, *, path_ok: bool) -> str | None:
     return None
 
 
-def _address(url: str) -> tuple[str, str, int]:
+def url_address(url: str) -> tuple[str, str, int]:
     """An engine URL reduced to what decides where it connects, for spotting duplicates."""
     parts = urlsplit(url)
     default_port = 443 if parts.scheme == "https" else 80
@@ -601,11 +601,11 @@ def _check_engines(
                 problems.add(f"{path}.id", f"duplicate engine id {show(spec.id)}")
             seen_ids.add(spec.id)
         if not problems.failed(f"{path}.url"):
-            address = _address(spec.url)
+            address = url_address(spec.url)
             if address in seen_urls:
                 problems.add(f"{path}.url", f"duplicate engine url {show(spec.url)}")
             seen_urls.add(address)
-            if _is_router(address, server) and not problems.failed("server"):
+            if is_router_address(address, server) and not problems.failed("server"):
                 problems.add(
                     f"{path}.url",
                     f"points at the router itself (server.host {show(server.host)}, "
@@ -620,7 +620,7 @@ def _check_engines(
         problems.add("engines", 'no engine may decode: give one the role "decode" or "both"')
 
 
-def _is_router(address: tuple[str, str, int], server: ServerConfig) -> bool:
+def is_router_address(address: tuple[str, str, int], server: ServerConfig) -> bool:
     """Whether an engine address is the router's own listening address (a request loop)."""
     _, host, port = address
     listen = server.host.lower().strip("[]")

@@ -16,9 +16,9 @@ from narwhal.config import (
     EngineSpec,
     Role,
     ServerConfig,
-    _address,
-    _engine_spec,
-    _is_router,
+    is_router_address,
+    read_engine_spec,
+    url_address,
 )
 from narwhal.config_table import Problems, Table, show
 
@@ -65,8 +65,8 @@ def parse_engine_entry(raw: object, server: ServerConfig, source: str = "body") 
     if not isinstance(raw, Mapping):
         raise ConfigError([f"must be an object of [[engines]] keys, got {show(raw)}"], source)
     table = Table(problems, "", raw)
-    spec = _engine_spec(table)
-    if not problems.failed("url") and _is_router(_address(spec.url), server):
+    spec = read_engine_spec(table)
+    if not problems.failed("url") and is_router_address(url_address(spec.url), server):
         problems.add(
             "url",
             f"points at the router itself (server.host {show(server.host)}, "
@@ -108,7 +108,7 @@ def parse_engine_patch(raw: object, source: str = "body") -> EnginePatch:
 
 def same_engine_url(a: str, b: str) -> bool:
     """Whether two engine urls name one engine (scheme, host and port, default ports too)."""
-    return _address(a) == _address(b)
+    return url_address(a) == url_address(b)
 
 
 def problem_path(error: ConfigError) -> str | None:
