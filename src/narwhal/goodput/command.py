@@ -112,9 +112,15 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     controlled: dict[str, PhaseStats] | None = None
     control_run: SplitRun | None = None
     fields = {"profile": args.profile, "speed": args.speed, "kv_lease_s": KV_LEASE_S}
+    start = args.engines // 2
     async with FleetProcess(args.engines, fields) as fleet:
-        for prefill in splits:
-            run: SplitRun = await run_split(fleet, prefill, trace, args.speed)
+        for prefill, controller in run_order(splits, start, getattr(args, "controller", True)):
+            sections = controller_sections(slo, args.speed) if controller else None
+            run = await run_split(fleet, prefill, trace, args.speed, controller=sections)
+            if controller:
+                control_run, controlled = run, split_stats(run.outcomes, slo, durations)
+                _progress(f"controller from {start}P{args.engines - start}D", run)
+                continue
             results[prefill] = split_stats(run.outcomes, slo, durations)
             runs.append(
                 {
@@ -123,16 +129,10 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
                     "wall_s": round(run.wall_s, 2),
                     "engine_cpu_s": round(run.engine_cpu_s, 2),
                     "router_client_cpu_s": round(run.router_client_cpu_s, 2),
+                    **(run.start or {}),
                 }
             )
             _progress(f"split {run.prefill}P{run.decode}D", run)
-        if getattr(args, "controller", True):
-            start = args.engines // 2
-            control_run = await run_split(
-                fleet, start, trace, args.speed, controller=controller_sections(slo, args.speed)
-            )
-            controlled = split_stats(control_run.outcomes, slo, durations)
-            _progress(f"controller from {start}P{args.engines - start}D", control_run)
     meta = {
         "profile": args.profile,
         "engines": args.engines,
@@ -150,10 +150,23 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     return results, report
 
 
+def run_order(splits: list[int], start: int, controller: bool) -> list[tuple[int, bool]]:
+    """(prefill count, controller?) in the order run: the controller run, if any, in the
+    middle of the static splits, so that a machine whose other load drifts during the
+    experiment favours neither side."""
+    order = [(prefill, False) for prefill in splits]
+    if controller:
+        order.insert(len(splits) // 2, (start, True))
+    return order
+
+
 def _progress(what: str, run: SplitRun) -> None:
+    waited = run.start or {}
     print(
         f"{what}: {run.wall_s:.1f} s wall, engines {run.engine_cpu_s:.1f} s CPU, "
-        f"router+client {run.router_client_cpu_s:.1f} s CPU",
+        f"router+client {run.router_client_cpu_s:.1f} s CPU; waited "
+        f"{waited.get('idle_wait_s', 0.0):.1f} s for idle engines"
+        f"{' (restarted them)' if waited.get('restarted') else ''}",
         file=sys.stderr,
         flush=True,
     )

@@ -108,6 +108,7 @@ def controller_document(
     return {
         "start": {"prefill": run.prefill, "decode": run.decode},
         "wall_s": round(run.wall_s, 2),
+        **(run.start or {}),
         "phases": {phase: s.to_json() for phase, s in stats.items()},
         "vs_best_static": versus,
         "moves": summary.get("moves", {}),

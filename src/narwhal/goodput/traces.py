@@ -39,6 +39,13 @@ class Mix:
     def draw(self, rng: random.Random, scale: float) -> tuple[int, int]:
         return _draw(rng, self.prompt, scale), _draw(rng, self.output, scale)
 
+    def scaled(self, scale: float) -> Mix:
+        """The same mix with every length multiplied by `scale` (at least one token)."""
+        return Mix(
+            (max(1, round(self.prompt[0] * scale)), max(1, round(self.prompt[1] * scale))),
+            (max(1, round(self.output[0] * scale)), max(1, round(self.output[1] * scale))),
+        )
+
     @property
     def mean_prompt(self) -> float:
         return sum(self.prompt) / 2
@@ -87,9 +94,10 @@ def generate(
 ) -> list[TraceRequest]:
     """Poisson arrivals over `duration_s`, the shape's phases repeated `cycles` times.
 
-    `rate` is requests per second, or a function of a phase's mix (so a phase of long
-    prompts can arrive more slowly than one of short ones). `token_scale` shrinks or
-    grows every length (small tests use small requests).
+    `rate` is requests per second, or a function of a phase's mix, lengths already scaled
+    by `token_scale` (so a phase of long prompts can arrive more slowly than one of short
+    ones, and shrunken requests arrive as much faster as they are shorter). `token_scale`
+    shrinks or grows every length (small tests use small requests).
     """
     if duration_s <= 0 or cycles < 1:
         raise ValueError("a trace needs a positive duration and at least one cycle")
@@ -99,7 +107,8 @@ def generate(
     requests: list[TraceRequest] = []
     for index, phase in enumerate(phases):
         start, end = index * window, (index + 1) * window
-        phase_rate = (rate(phase.mix) if callable(rate) else rate) * phase.rate_factor
+        phase_rate = (rate(phase.mix.scaled(token_scale)) if callable(rate) else rate)
+        phase_rate *= phase.rate_factor
         if phase_rate <= 0:
             continue
         t = start + rng.expovariate(phase_rate)
