@@ -67,21 +67,25 @@ class ControlLoop:
 
     def observe(self, now: float) -> Observation:
         """The fleet's role table and each phase's load over the window."""
-        (ttft, ttft_n), (tpot, tpot_n) = self.latency.p90(time.perf_counter(), self.config.window_s)
+        perf_now = time.perf_counter()
+        moved = self.state.last_move_at
+        since = None if moved is None else perf_now - (now - moved)
+        window = self.latency.window(perf_now, self.config.window_s, since)
         engines = self.fleet.engines
         return Observation(
             now=now,
             engines=tuple(self._view(e, now) for e in engines),
             prefill=PhaseLoad(
-                ttft,
-                ttft_n,
+                window.prefill.p90_s,
+                window.prefill.samples,
                 queued=self.fleet.queued,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.PREFILL)),
                 seats_in_use=sum(e.prefill_seats for e in engines),
             ),
             decode=PhaseLoad(
-                tpot,
-                tpot_n,
+                window.tpot.p90_s,
+                window.tpot.samples,
+                wait_p90_s=window.first_token_wait.p90_s,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.DECODE)),
                 seats_in_use=sum(e.decode_seats for e in engines),
             ),

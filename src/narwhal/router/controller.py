@@ -3,9 +3,14 @@ phase it serves. Pure: an observation and the controller's memory in, at most on
 with the reason and the inputs it was taken on. `control_loop` gathers the observation and
 applies the move through `operations`.
 
-**Pressure.** Each phase's pressure is its p90 latency over its objective: TTFT over
-`[slo] ttft_s` for prefill, time per output token after the first over `[slo] tpot_s` for
-decode. A pressure of 1 means the phase sits at its SLO.
+**Pressure.** Each phase's pressure is its p90 latency over its objective, a pressure of
+1 meaning the phase sits at its SLO. Prefill's is the time to the producer's first token
+(the router's seat queue and the prefill leg) over `[slo] ttft_s`. Decode's is the larger
+of the time per output token after the first over `[slo] tpot_s` and the wait from the
+descriptor to the consumer's first token (the KV pull, and a place in a full batch) over
+`[slo] ttft_s`: a consumer whose batch is full makes new requests wait for their first
+token, and that wait is decode's, not prefill's. Only requests that arrived after the last
+move count (they were placed on the split as it is now).
 
 **When an engine moves** (checked in this order; the first that fails is the reason to hold):
 
@@ -68,6 +73,8 @@ class PhaseLoad:
 
     p90_s: float | None
     samples: int
+    # Decode only: the p90 wait from the descriptor to the consumer's first token.
+    wait_p90_s: float | None = None
     # Requests waiting for a seat in the router, and the engines' own reported queues.
     queued: int = 0
     waiting: float = 0.0
@@ -124,6 +131,7 @@ def decide(
     inputs: Inputs = {
         "ttft_p90_s": obs.prefill.p90_s,
         "tpot_p90_s": obs.decode.p90_s,
+        "first_token_wait_p90_s": obs.decode.wait_p90_s,
         "prefill_samples": obs.prefill.samples,
         "decode_samples": obs.decode.samples,
         "queued": obs.prefill.queued,
@@ -144,7 +152,8 @@ def decide(
         or min(p_load.samples, d_load.samples) < config.min_samples
     ):
         return hold("samples", f"fewer than {config.min_samples} requests in a phase's window")
-    pp, pd = p_load.p90_s / slo.ttft_s, d_load.p90_s / slo.tpot_s
+    pp = p_load.p90_s / slo.ttft_s
+    pd = max(d_load.p90_s / slo.tpot_s, (d_load.wait_p90_s or 0.0) / slo.ttft_s)
     inputs["prefill_pressure"], inputs["decode_pressure"] = round(pp, 3), round(pd, 3)
     if state.last_move_at is not None and obs.now - state.last_move_at < config.cooldown_s:
         return hold("cooldown", f"last move {obs.now - state.last_move_at:.1f} s ago")
