@@ -242,3 +242,16 @@ def test_at_most_one_engine_changes_per_decision(
     after_move = apply(observation.engines, decision, observation.now)
     changed = [a for a, b in zip(observation.engines, after_move, strict=True) if a != b]
     assert len(changed) == (0 if decision.move is None else 1)
+
+
+def test_a_wait_for_the_consumers_first_token_is_decode_pressure() -> None:
+    # The prefill leg is quick; requests wait 3 s after the descriptor for a place in a
+    # full decode batch. That is decode's pressure (over the TTFT objective), not prefill's.
+    observation = Observation(
+        100.0, engines(2, 2), PhaseLoad(0.2, 50), PhaseLoad(0.01, 50, wait_p90_s=3.0)
+    )
+    decision = decide(observation, ControlState(), CONFIG, SLO)
+    assert decision.move is not None and decision.move.new is Role.DECODE
+    assert decision.reason == TOWARD_DECODE
+    assert decision.inputs["first_token_wait_p90_s"] == 3.0
+    assert decision.inputs["decode_pressure"] == 3.0
