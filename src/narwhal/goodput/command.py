@@ -28,8 +28,22 @@ from narwhal.goodput.replay import (
     run_split,
 )
 from narwhal.goodput.report import controller_document, controller_table, document, plot, table
-from narwhal.goodput.score import PhaseStats, Slo, default_slo, split_stats
-from narwhal.goodput.traces import SHAPES, TraceRequest, generate, parse_jsonl, phase_durations
+from narwhal.goodput.score import (
+    Outcome,
+    PhaseStats,
+    Slo,
+    default_slo,
+    split_stats,
+    steady_stats,
+)
+from narwhal.goodput.traces import (
+    SHAPES,
+    TraceRequest,
+    generate,
+    parse_jsonl,
+    phase_durations,
+    phase_runs,
+)
 from narwhal.sim.options import profile_options
 from narwhal.sim.profiles import PROFILES
 
@@ -53,6 +67,12 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
         dest="controller",
         action="store_false",
         help="skip the role controller run",
+    )
+    add(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="trace seconds after each phase starts left out of its 'steady' figures",
     )
     add("--out", type=Path, default=Path("goodput.json"), help="JSON report")
     add("--plot", type=Path, help="also draw a PNG chart (needs matplotlib)")
@@ -107,6 +127,14 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     slo = default_slo(options.step_costs, options.request_overhead_s)
     slo = Slo(args.slo_ttft or slo.ttft_s, args.slo_tpot or slo.tpot_s)
     durations = phase_durations(trace, duration)
+    phase_spans = phase_runs(trace, duration)
+
+    def stats_of(outcomes: list[Outcome]) -> dict[str, PhaseStats]:
+        return {
+            **split_stats(outcomes, slo, durations),
+            **steady_stats(outcomes, slo, phase_spans, args.settle),
+        }
+
     results: Results = {}
     runs: list[dict[str, Any]] = []
     controlled: dict[str, PhaseStats] | None = None
@@ -118,10 +146,10 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
             sections = controller_sections(slo, args.speed) if controller else None
             run = await run_split(fleet, prefill, trace, args.speed, controller=sections)
             if controller:
-                control_run, controlled = run, split_stats(run.outcomes, slo, durations)
+                control_run, controlled = run, stats_of(run.outcomes)
                 _progress(f"controller from {start}P{args.engines - start}D", run)
                 continue
-            results[prefill] = split_stats(run.outcomes, slo, durations)
+            results[prefill] = stats_of(run.outcomes)
             runs.append(
                 {
                     "prefill": run.prefill,
@@ -143,10 +171,11 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
         "speed": args.speed,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "phase_durations_s": durations,
+        "settle_s": args.settle,
     }
     report = document(meta, results, runs)
     if controlled is not None and control_run is not None:
-        report["controller"] = controller_document(control_run, controlled, results)
+        report["controller"] = controller_document(control_run, controlled, results, args.speed)
     return results, report
 
 

@@ -113,6 +113,8 @@ class SplitRun:
     controller: dict[str, Any] | None = None
     # How the run started: the wait for idle engines, and whether they were restarted.
     start: dict[str, Any] | None = None
+    # Wall-clock time (`time.time()`) the trace's replay began at.
+    started_at: float = 0.0
 
 
 def controller_sections(slo: Slo, speed: float) -> dict[str, Any]:
@@ -194,7 +196,7 @@ async def run_split(
     await server.start()
     engine_cpu = await fleet.cpu_seconds()
     own_cpu = time.process_time()
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     salt = f"{'controller' if controller else 'split'}-{prefill}"
     summary = None
     try:
@@ -212,6 +214,7 @@ async def run_split(
         router_client_cpu_s=time.process_time() - own_cpu,
         controller=summary,
         start=start,
+        started_at=started_at,
     )
 
 
@@ -251,13 +254,13 @@ async def _request(
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
                 await response.read()
-                return Outcome(request.phase, completed=False)
+                return Outcome(request.phase, False, arrival_s=request.arrival_s)
             async for data in response.content.iter_any():
                 # One `data: {...}` event per token (the usage event is off); count them
                 # without parsing, across chunk boundaries.
                 seen = tail + data
                 if b'data: {"error"' in seen:
-                    return Outcome(request.phase, completed=False)
+                    return Outcome(request.phase, False, arrival_s=request.arrival_s)
                 count = seen.count(b"data: {") - tail.count(b"data: {")
                 tail = seen[-8:]
                 if count:
@@ -266,8 +269,8 @@ async def _request(
                     last = now
                     tokens += count
     except (TimeoutError, aiohttp.ClientError):
-        return Outcome(request.phase, completed=False)
+        return Outcome(request.phase, False, arrival_s=request.arrival_s)
     if first is None or tokens < request.output_tokens:
-        return Outcome(request.phase, completed=False)
+        return Outcome(request.phase, False, arrival_s=request.arrival_s)
     tpot = (last - first) * speed / (tokens - 1) if tokens > 1 else None
-    return Outcome(request.phase, True, (first - sent) * speed, tpot)
+    return Outcome(request.phase, True, (first - sent) * speed, tpot, request.arrival_s)

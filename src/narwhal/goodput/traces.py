@@ -107,7 +107,7 @@ def generate(
     requests: list[TraceRequest] = []
     for index, phase in enumerate(phases):
         start, end = index * window, (index + 1) * window
-        phase_rate = (rate(phase.mix.scaled(token_scale)) if callable(rate) else rate)
+        phase_rate = rate(phase.mix.scaled(token_scale)) if callable(rate) else rate
         phase_rate *= phase.rate_factor
         if phase_rate <= 0:
             continue
@@ -119,18 +119,28 @@ def generate(
     return requests
 
 
-def phase_durations(requests: Sequence[TraceRequest], duration_s: float) -> dict[str, float]:
-    """How long the trace spends in each phase: a run of one phase lasts from its first
-    arrival (0 for the first run) to the next run's, the last until `duration_s`."""
+def phase_runs(
+    requests: Sequence[TraceRequest], duration_s: float
+) -> list[tuple[str, float, float]]:
+    """(phase, start, end) of each run of one phase: from its first arrival (0 for the
+    first run) to the next run's, the last until `duration_s`."""
     ordered = sorted(requests, key=lambda request: request.arrival_s)
-    durations: dict[str, float] = {}
-    runs: list[tuple[str, float]] = []
+    starts: list[tuple[str, float]] = []
     for request in ordered:
-        if not runs or runs[-1][0] != request.phase:
-            runs.append((request.phase, request.arrival_s))
-    for i, (phase, start) in enumerate(runs):
+        if not starts or starts[-1][0] != request.phase:
+            starts.append((request.phase, request.arrival_s))
+    runs = []
+    for i, (phase, start) in enumerate(starts):
         start = 0.0 if i == 0 else start
-        end = runs[i + 1][1] if i + 1 < len(runs) else max(duration_s, start)
+        end = starts[i + 1][1] if i + 1 < len(starts) else max(duration_s, start)
+        runs.append((phase, start, end))
+    return runs
+
+
+def phase_durations(requests: Sequence[TraceRequest], duration_s: float) -> dict[str, float]:
+    """How long the trace spends in each phase (the sum of its runs)."""
+    durations: dict[str, float] = {}
+    for phase, start, end in phase_runs(requests, duration_s):
         durations[phase] = durations.get(phase, 0.0) + (end - start)
     return durations
 
