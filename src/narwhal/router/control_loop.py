@@ -50,6 +50,7 @@ class ControlLoop:
         latency: PhaseLatency,
         *,
         source: ObservationSource | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.fleet = fleet
         self.operations = operations
@@ -57,6 +58,8 @@ class ControlLoop:
         self.slo = slo
         self.latency = latency
         self.source = source or self.observe
+        # The clock of the latency samples (`time.perf_counter()`, as requests are timed).
+        self.clock = clock
         self.state = ControlState()
         self.started = 0.0
         self.last: Decision | None = None
@@ -67,7 +70,7 @@ class ControlLoop:
 
     def observe(self, now: float) -> Observation:
         """The fleet's role table and each phase's load over the window."""
-        perf_now = time.perf_counter()
+        perf_now = self.clock()
         moved = self.state.last_move_at
         since = None if moved is None else perf_now - (now - moved)
         window = self.latency.window(perf_now, self.config.window_s, since)

@@ -10,7 +10,8 @@ of the time per output token after the first over `[slo] tpot_s` and the wait fr
 descriptor to the consumer's first token (the KV pull, and a place in a full batch) over
 `[slo] ttft_s`: a consumer whose batch is full makes new requests wait for their first
 token, and that wait is decode's, not prefill's. Only requests that arrived after the last
-move count (they were placed on the split as it is now).
+move count: they were placed on the split as it is now, so no move is taken twice on the
+same evidence, and a move that was not enough shows as such.
 
 **When an engine moves** (checked in this order; the first that fails is the reason to hold):
 
@@ -18,7 +19,6 @@ move count (they were placed on the split as it is now).
 |-------------------|------------------------------------------------------------------|
 | samples           | either phase has fewer than `min_samples` requests in the window |
 | cooldown          | a move happened less than `cooldown_s` ago                       |
-| same evidence     | both pressures are within 10% of those the last move was taken on |
 | objectives        | the higher pressure is below `min_pressure`                      |
 | band (hysteresis) | the higher pressure is less than `ratio` times the lower         |
 | floor             | the other phase would drop below `min_prefill` / `min_decode`    |
@@ -43,8 +43,6 @@ from narwhal.controller_config import ControllerConfig, SloConfig
 TOWARD_PREFILL = "ttft_pressure"
 TOWARD_DECODE = "tpot_pressure"
 MOVE_REASONS = (TOWARD_PREFILL, TOWARD_DECODE)
-# Pressures within this fraction of the last move's are the same evidence.
-SAME_EVIDENCE = 0.1
 
 Inputs = dict[str, float | int | str | None]
 
@@ -94,8 +92,6 @@ class ControlState:
     """What the controller remembers between decisions."""
 
     last_move_at: float | None = None
-    # (prefill, decode) pressures the last move was taken on.
-    last_evidence: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +153,6 @@ def decide(
     inputs["prefill_pressure"], inputs["decode_pressure"] = round(pp, 3), round(pd, 3)
     if state.last_move_at is not None and obs.now - state.last_move_at < config.cooldown_s:
         return hold("cooldown", f"last move {obs.now - state.last_move_at:.1f} s ago")
-    if state.last_evidence is not None and _same(state.last_evidence, (pp, pd)):
-        return hold("same_evidence", "pressures unchanged since the last move")
     to_prefill = pp >= pd
     high, low = (pp, pd) if to_prefill else (pd, pp)
     target, donor = (Role.PREFILL, Role.DECODE) if to_prefill else (Role.DECODE, Role.PREFILL)
@@ -194,15 +188,7 @@ def after(decision: Decision, state: ControlState, now: float) -> ControlState:
     """The memory after a decision that was applied."""
     if decision.move is None:
         return state
-    pp, pd = decision.inputs.get("prefill_pressure"), decision.inputs.get("decode_pressure")
-    evidence = (float(pp), float(pd)) if isinstance(pp, float) and isinstance(pd, float) else None
-    return ControlState(last_move_at=now, last_evidence=evidence)
-
-
-def _same(before: tuple[float, float], now: tuple[float, float]) -> bool:
-    return all(
-        abs(b - n) <= SAME_EVIDENCE * max(b, n, 1e-9) for b, n in zip(before, now, strict=True)
-    )
+    return ControlState(last_move_at=now)
 
 
 def _fmt(value: float | int | str | None) -> str:
