@@ -50,3 +50,19 @@ def test_the_window_keeps_recent_finishes_and_can_drop_earlier_arrivals() -> Non
     assert newer.first_token_wait.samples == 5 and newer.tpot.p90_s == 0.02
     empty = latency.window(10.0, 100.0, arrived_since=50.0)
     assert empty.prefill == empty.tpot and empty.prefill.p90_s is None
+
+
+def test_the_ttft_parts_count_at_the_first_token_and_tpot_at_the_end() -> None:
+    latency = PhaseLatency()
+    running = call(status=0, ttft_s=0.2, first_byte_s=1.5, output_tokens=None)
+    latency.first_token(running, 11.5)
+    # A long answer is still streaming: its TTFT parts are evidence already.
+    now = latency.window(11.6, 5.0)
+    assert (now.prefill.p90_s, now.first_token_wait.samples, now.tpot.samples) == (0.2, 1, 0)
+    running.status, running.output_tokens = 200, 11
+    latency.add(running, 12.5)
+    done = latency.window(12.6, 5.0)
+    assert done.prefill.samples == 1 and done.tpot.samples == 1
+    failed = call(status=502, ttft_s=0.3, first_byte_s=0.4, output_tokens=3)
+    latency.add(failed, 12.6)
+    assert latency.window(12.7, 5.0).tpot.samples == 1

@@ -8,13 +8,16 @@ decode's. Time
 per output token after the first is decode's too. Splitting TTFT this way keeps a full
 decode batch from reading as prefill pressure.
 
-Fed once per finished request (a call hook). Memory is bounded by a fixed number of
-samples; `window` looks back over a sliding span of finish times, and can leave out
-requests that arrived before some moment (a move: they were placed on the old split).
+Fed twice per request: at its first token (the TTFT parts, as soon as they are known, so
+that a long answer does not delay the evidence by its length) and at its end (time per
+output token). Memory is bounded by a fixed number of samples; `window` looks back over a
+sliding span of those times, and can leave out requests that arrived before some moment (a
+move: they were placed on the old split).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -58,9 +61,10 @@ class WindowLatency:
     tpot: Percentile
 
 
-def sample_of(call: Call, now: float) -> Sample | None:
-    """The request's sample, or None when it did not succeed with a first token."""
-    if call.status != 200 or call.ttft_s is None:
+def sample_of(call: Call, now: float, *, finished: bool = True) -> Sample | None:
+    """The request's sample at `now`, or None when it has no first token (or, once
+    `finished`, did not succeed)."""
+    if call.ttft_s is None or (finished and call.status != 200):
         return None
     # The router's `ttft_s` is the producer's first token (the prefill leg's end), or the
     # consumer's first byte when it served the request alone.
@@ -78,36 +82,48 @@ def sample_of(call: Call, now: float) -> Sample | None:
 
 
 class PhaseLatency:
-    """The latest successful requests' samples."""
+    """The latest requests' first-token parts and times per output token."""
 
     def __init__(self, max_samples: int = MAX_SAMPLES) -> None:
-        self._samples: deque[Sample] = deque(maxlen=max_samples)
+        # (arrival, first token at, prefill_s, first_token_wait_s)
+        self._firsts: deque[tuple[float, float, float, float | None]] = deque(maxlen=max_samples)
+        # (arrival, finished, tpot_s)
+        self._tpots: deque[tuple[float, float, float]] = deque(maxlen=max_samples)
+
+    def first_token(self, call: Call, now: float) -> None:
+        """The request's first token is on its way to the client (`now` on
+        `time.perf_counter()`, as `call.arrival` is)."""
+        sample = sample_of(call, now, finished=False)
+        if sample is not None:
+            self._firsts.append((sample.arrival, now, sample.prefill_s, sample.first_token_wait_s))
 
     def add(self, call: Call, now: float) -> None:
-        """`now` is the request's end on `time.perf_counter()`, as `call.arrival` is."""
+        """The request ended at `now`: its time per output token, if it succeeded."""
         sample = sample_of(call, now)
-        if sample is not None:
-            self._samples.append(sample)
+        if sample is not None and sample.tpot_s is not None:
+            self._tpots.append((sample.arrival, now, sample.tpot_s))
 
     def record(self, sample: Sample) -> None:
-        """A sample given directly (tests, other feeds)."""
-        self._samples.append(sample)
+        """A finished request given directly (tests, other feeds): its first token came
+        `prefill_s` and `first_token_wait_s` after its arrival."""
+        first_at = sample.arrival + sample.prefill_s + (sample.first_token_wait_s or 0.0)
+        self._firsts.append((sample.arrival, first_at, sample.prefill_s, sample.first_token_wait_s))
+        if sample.tpot_s is not None:
+            self._tpots.append((sample.arrival, sample.finished, sample.tpot_s))
 
     def window(
         self, now: float, window_s: float, arrived_since: float | None = None
     ) -> WindowLatency:
-        """p90s over requests that finished in the last `window_s` and arrived at or after
-        `arrived_since` (when given)."""
+        """p90s over first tokens and ends in the last `window_s`, of requests that arrived
+        at or after `arrived_since` (when given)."""
         since = now - window_s
-        recent = [
-            s
-            for s in self._samples
-            if s.finished >= since and (arrived_since is None or s.arrival >= arrived_since)
-        ]
+        after = -math.inf if arrived_since is None else arrived_since
+        firsts = [f for f in self._firsts if f[1] >= since and f[0] >= after]
+        tpots = [t[2] for t in self._tpots if t[1] >= since and t[0] >= after]
         return WindowLatency(
-            _p90([s.prefill_s for s in recent]),
-            _p90([s.first_token_wait_s for s in recent if s.first_token_wait_s is not None]),
-            _p90([s.tpot_s for s in recent if s.tpot_s is not None]),
+            _p90([f[2] for f in firsts]),
+            _p90([f[3] for f in firsts if f[3] is not None]),
+            _p90(tpots),
         )
 
 
