@@ -157,8 +157,10 @@ def controller_table(
         lines.append(
             f"{phase:<21} {stats['requests']:>5} {stats['good']:>5} "
             f"{stats['goodput_rps']:>9.2f}  {ttft:>15}  {tpot:>12}  {best_text:>18}  "
-            f"{'-' if ratio is None else f'{ratio:.2f}x':>5}"
+            f"{'n/a' if ratio is None else f'{ratio:.2f}x':>5}"
         )
+    if None in doc["vs_best_static"].values():
+        lines.append("n/a: no static split served a request within both SLOs there")
     moves = ", ".join(
         (f"{m['at_s']:.1f} s " if "at_s" in m else "")
         + f"{m['engine']} {m['from']}->{m['to']} ({m['reason']})"
