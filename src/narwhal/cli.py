@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
     chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
     chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
+    chaos.add_argument(
+        "--controller",
+        action="store_true",
+        help="engines of role both, moved by the role controller during the soak",
+    )
 
     top = sub.add_parser("top", help="a live terminal view of a running router")
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             prefill=args.prefill,
             decode=args.decode,
             concurrency=args.concurrency,
+            controller=args.controller,
         )
         sys.exit(runtime.run(chaos_command(options)))
     if args.command == "goodput":

@@ -14,7 +14,9 @@ from narwhal.chaos.checks import (
     check_leaks,
     check_service,
     metrics_abandoned,
+    moved_to,
     no_engine_problems,
+    role_problems,
     status_allowed,
     unavailable_reason,
 )
@@ -208,3 +210,24 @@ def test_abandoned_handoffs_in_the_journal_must_match_the_metrics() -> None:
     del journal["p1"]
     metrics["p0"].blocks = 5
     assert len(abandoned_problems(journal, metrics)) == 1
+
+
+def test_a_role_change_line_names_the_phase_its_engine_moved_to() -> None:
+    line = {
+        "type": "engine",
+        "event": "role_change",
+        "engine": "d1",
+        "detail": "decode -> prefill; role controller: ttft_pressure: ...",
+    }
+    assert moved_to(line) == "prefill"
+    assert moved_to({**line, "event": "drained"}) is None
+    assert moved_to({"type": "request"}) is None
+
+
+def test_a_move_of_a_pinned_engine_or_below_a_floor_is_a_problem() -> None:
+    fine = role_problems("d1", "prefill", {"d0"}, {"prefill": 2, "decode": 1}, floor=1)
+    assert fine == []
+    pinned = role_problems("d0", "prefill", {"d0"}, {"prefill": 2, "decode": 1}, floor=1)
+    assert pinned == ["pinned engine d0 moved to prefill"]
+    emptied = role_problems("d1", "prefill", set(), {"prefill": 3, "decode": 0}, floor=1)
+    assert emptied == ["after d1 moved to prefill, decode had 0 engines (floor 1)"]

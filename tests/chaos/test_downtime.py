@@ -49,3 +49,19 @@ def test_the_engines_that_accepted_connections_throughout_are_named() -> None:
     assert downtime.accepting_throughout("decode", 10.5, 11.0, grace_s=0.0) == ["d1"]
     assert downtime.accepting_throughout("decode", 12.5, 13.0, grace_s=1.0) == ["d1"]
     assert downtime.accepting_throughout("decode", 13.5, 14.0, grace_s=1.0) == ["d0", "d1"]
+
+
+def test_a_moved_engine_serves_its_new_phase_from_its_move_on() -> None:
+    downtime = decode_fleet(("d0", 10.0, None))
+    downtime.moved("d1", "prefill", 20.0)
+    assert downtime.serving_at("decode", 19.0) == ("d0", "d1")
+    assert downtime.serving_at("decode", 20.0) == ("d0",)
+    assert downtime.serving_at("prefill", 21.0) == ("d1", "p0")
+    # After the move decode's only engine is d0, down since 10: decode is down.
+    assert downtime.all_down("decode", 20.5, 21.0, grace_s=0.0)
+    assert not downtime.all_down("decode", 15.0, 19.0, grace_s=0.0)
+    # A request that lived across the move saw d1 serve decode, up, before it.
+    assert not downtime.all_down("decode", 19.0, 19.9, grace_s=0.0)
+    assert downtime.all_down("decode", 19.0, 21.0, grace_s=0.0)
+    assert downtime.accepting_throughout("decode", 19.0, 21.0, grace_s=0.0) == ["d1"]
+    assert downtime.moves() == [(20.0, "d1", "prefill")]

@@ -58,3 +58,19 @@ def test_the_chaos_command_prints_its_figures_and_exits_zero_when_all_checks_pas
     assert "left over: in flight 0, queued 0, open engine legs 0, seats in use 0" in out
     assert "abandoned handoffs: " in out
     assert "FAIL" not in out and out.count("PASS") == 9
+
+
+async def test_a_soak_with_the_role_controller_moving_engines_keeps_every_promise() -> None:
+    # One prefill engine against three decode engines (decode-0 pinned): prefill is the
+    # pressured phase, so the controller moves decode engines while faults go on.
+    options = ChaosOptions(
+        requests=1500, seed=20261201, concurrency=24, prefill=1, decode=3, controller=True
+    )
+    report = await run_chaos(options)
+    assert report.ok, format_report(report)
+    assert "role moves kept pins and floors" in report.checks
+    assert report.tally.moves >= 1
+    assert report.tally.requests == report.tally.lines == 1500
+    acting = {engine["id"]: engine["acting"] for engine in report.state["engines"]}
+    assert acting["decode-0"] == "decode"
+    assert report.state["controller"]["moves"].get("ttft_pressure", 0) == report.tally.moves

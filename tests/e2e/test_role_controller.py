@@ -5,6 +5,7 @@ Long prompts against a slow prefill and a tight TTFT objective make prefill the 
 phase; with a fast interval the controller moves one unpinned decode engine to prefill.
 Streaming clients run throughout: no request may fail, the requests running on the moved
 engine included, and the journal, `/narwhal/state` and `/metrics` name the move and why.
+In advisory mode the same pressure journals the move as advice and changes nothing.
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ PROMPT = " ".join(f"tide{i}" for i in range(300))
 WAIT_S = 120.0  # generous: a busy 2-core machine; nothing here is timed tightly
 
 
+SIM = {"prefill_s_per_token": 0.0005, "inter_token_s": 0.004}
+CONTROLLER = {
+    "enabled": True,
+    "interval_s": 0.3,
+    "window_s": 10.0,
+    "dwell_s": 0.0,
+    "cooldown_s": 600.0,
+    "min_samples": 5,
+}
+SLO = {"ttft_s": 0.02, "tpot_s": 0.5}
+
+
 async def test_prefill_pressure_moves_one_engine_to_prefill(make_stack: StackFactory) -> None:
     async with make_stack(
-        ROLES,
-        engine_keys=START,
-        sim={"prefill_s_per_token": 0.0005, "inter_token_s": 0.004},
-        controller={
-            "enabled": True,
-            "interval_s": 0.3,
-            "window_s": 10.0,
-            "dwell_s": 0.0,
-            "cooldown_s": 600.0,
-            "min_samples": 5,
-        },
-        slo={"ttft_s": 0.02, "tpot_s": 0.5},
+        ROLES, engine_keys=START, sim=SIM, controller=CONTROLLER, slo=SLO
     ) as stack:
         failures: list[str] = []
         done = 0
@@ -116,3 +118,53 @@ async def _until(stack: Any, check: Any) -> dict[str, Any]:
         if loop.time() > deadline:
             raise AssertionError(f"no move in {WAIT_S} s: {state['controller']}")
         await asyncio.sleep(0.2)
+
+
+async def test_advisory_mode_journals_the_move_and_changes_nothing(
+    make_stack: StackFactory,
+) -> None:
+    async with make_stack(
+        ROLES,
+        engine_keys=START,
+        sim=SIM,
+        controller={**CONTROLLER, "advisory": True},
+        slo=SLO,
+    ) as stack:
+        failures: list[str] = []
+        stop = asyncio.Event()
+
+        async def client(index: int) -> None:
+            sent = 0
+            while not stop.is_set():
+                sent += 1
+                body = {"model": MODEL, "prompt": f"{index} {sent} {PROMPT}", "max_tokens": 30}
+                async with stack.http.post(stack.url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        failures.append(f"{r.status}: {(await r.read())[-200:]!r}")
+                    await r.read()
+
+        clients = [asyncio.create_task(client(i)) for i in range(6)]
+        try:
+            state = await _until(stack, lambda s: s["controller"]["advice"] or None)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        assert failures == []
+        controller = state["controller"]
+        assert controller["advisory"] is True and controller["moves"] == {}
+        assert controller["advice"] == {"ttft_pressure": 1}
+        advice = controller["timeline"][0]
+        assert advice["applied"] is False and advice["to"] == "prefill"
+        final = await (await stack.http.get(stack.url + "/narwhal/state")).json()
+        acting = {e["id"]: e["acting"] for e in final["engines"]}
+        assert acting == {"a": "prefill", "b": "decode", "c": "decode", "d": "decode"}
+        events = await stack.journal(kind="engine")
+        assert not [line for line in events if line["event"] == "role_change"]
+        line = next(line for line in events if line["event"] == "role_advice")
+        assert line["engine"] == advice["engine"] and line["reason"] == "ttft_pressure"
+        assert line["inputs"]["ttft_p90_s"] > 0.02
+        metrics = await (await stack.http.get(stack.url + "/metrics")).text()
+        assert 'narwhal_controller_advice_total{reason="ttft_pressure"} 1.0' in metrics
+        assert "narwhal_controller_moves_total{" not in metrics or (
+            'narwhal_controller_moves_total{reason="ttft_pressure"} 0.0' in metrics
+        )

@@ -3,6 +3,7 @@ advice journaled and nothing applied, pins and refusals respected, state and met
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from narwhal.config import Config, EngineSpec, Role
@@ -11,7 +12,7 @@ from narwhal.router.control_loop import ControlLoop, split
 from narwhal.router.controller import TOWARD_PREFILL, Observation, PhaseLoad
 from narwhal.router.fleet import EngineEvent, Fleet, Phase
 from narwhal.router.operations import FleetOperations, OperationError
-from narwhal.router.phase_latency import PhaseLatency
+from narwhal.router.phase_latency import PhaseLatency, Sample
 
 SPECS = (
     EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),
@@ -129,3 +130,21 @@ def test_operations_refuse_moves_of_pinned_fixed_role_engines_and_at_floors() ->
     assert "pinned" in refused[1][2]
     assert "no admitted engine to prefill" in refused[2][2]
     assert [e.role for e in fleet.engines] == [Role.PREFILL, Role.DECODE, Role.DECODE]
+
+
+def test_after_a_move_only_requests_that_arrived_since_count() -> None:
+    fleet = Fleet(SPECS)
+    latency = PhaseLatency()
+    loop = ControlLoop(
+        fleet, FleetOperations(fleet, Config("m", SPECS), None), CONFIG, SLO, latency
+    )
+    moved_at = time.perf_counter()
+    for i in range(30):  # placed on the old split: slow prefills
+        latency.record(Sample(moved_at - 3.0, moved_at - 1.0 + i / 100, 4.0, 0.01, 0.001))
+    assert loop.step(moved_at).move is not None
+    # The same slow requests are no evidence about the new split.
+    held = loop.step(time.perf_counter())
+    assert held.move is None and held.reason == "samples"
+    for _ in range(30):  # arrived after the move, still slow: evidence again
+        latency.record(Sample(moved_at + 0.001, time.perf_counter(), 6.0, 0.01, 0.001))
+    assert loop.step(time.perf_counter()).move is not None

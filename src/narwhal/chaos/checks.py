@@ -6,7 +6,7 @@ Pure functions: each takes what was observed and returns the problems found, as 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,4 +206,28 @@ def abandoned_problems(
                 f"{said.blocks} blocks, {said.block_seconds:.3f} block-seconds; the metrics "
                 f"{counted.handoffs}, {counted.blocks}, {counted.block_seconds:.3f}"
             )
+    return problems
+
+
+def moved_to(line: Mapping[str, Any]) -> str | None:
+    """The phase a journaled `role_change` moved its engine to (its detail opens with
+    "decode -> prefill"), or None for any other line."""
+    if line.get("type") != "engine" or line.get("event") != "role_change":
+        return None
+    head = str(line.get("detail") or "").split(";", 1)[0]
+    _, arrow, to = head.partition(" -> ")
+    return to.strip() if arrow else None
+
+
+def role_problems(
+    engine: str, to: str, pinned: Collection[str], serving: Mapping[str, int], floor: int
+) -> list[str]:
+    """A move of a pinned engine, or one that left a phase (`serving`: engines per phase
+    after the move) below its floor."""
+    problems = [f"pinned engine {engine} moved to {to}"] if engine in pinned else []
+    problems += [
+        f"after {engine} moved to {to}, {phase} had {count} engines (floor {floor})"
+        for phase, count in serving.items()
+        if count < floor
+    ]
     return problems

@@ -17,3 +17,6 @@ class ChaosOptions:
     concurrency: int = 32
     fault_every_s: float = 0.2  # mean time between injected faults
     leave_share: float = 0.1  # clients that give up part-way
+    # Engines of role both, started in their phase, moved by the role controller (the
+    # first decode engine pinned, when there are two or more).
+    controller: bool = False

@@ -44,7 +44,7 @@ class Report:
             abandoned.add(["the router's metrics were never read"])
         else:
             abandoned.add(abandoned_problems(self.tally.abandoned, self.abandoned))
-        return {
+        checks = {
             "one outcome per request": self.tally.once,
             "statuses follow the rules": self.tally.rules,
             "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
@@ -55,6 +55,9 @@ class Report:
             "memory stable": memory,
             "no unhandled exception": self.unhandled,
         }
+        if self.options.controller:
+            checks["role moves kept pins and floors"] = self.tally.roles
+        return checks
 
     @property
     def ok(self) -> bool:
@@ -106,6 +109,8 @@ def format_report(report: Report) -> str:
             f"{trend.samples} samples, trend {trend.slope_mb_per_min:+.2f} MB/min, "
             f"growth {trend.growth_mb:+.1f} MB (bound {trend.bound_mb:.0f} MB)"
         )
+    if options.controller:
+        out.append(f"role controller moves: {tally.moves}")
     out.append(f"unhandled exceptions: {report.unhandled.count}")
     out.append("checks:")
     for name, problems in report.checks.items():

@@ -62,6 +62,23 @@ ROUTER: dict[str, Any] = {
     "recovery": {"eject_after": 3, "readmit_interval_s": 0.3, "failure_quarantine_s": 0.1},
 }
 SEATS = {"max_prefill_seats": 8, "max_decode_seats": 16}
+# With `--controller`: prompts cost real compute, so that the one prefill engine of a soak
+# started with few is the pressured phase, and quick decisions, so that engines move while
+# faults, retries and departures go on.
+CONTROLLED_ENGINE: dict[str, Any] = {"prefill_s_per_token": 0.001}
+CONTROLLER: dict[str, Any] = {
+    "controller": {
+        "enabled": True,
+        "interval_s": 0.2,
+        "window_s": 2.0,
+        "dwell_s": 1.0,
+        "cooldown_s": 1.0,
+        "min_samples": 5,
+        "ratio": 1.5,
+        "min_pressure": 0.5,
+    },
+    "slo": {"ttft_s": 0.1, "tpot_s": 0.05},
+}
 SAMPLE_EVERY_S = 0.5
 SETTLE_S = 15.0
 FOLLOW_EVERY_S = 0.25
@@ -87,12 +104,18 @@ class JournalTail:
 
 
 async def follow(tail: JournalTail, tally: Tally) -> None:
-    """Feed the request lines of the journal to the tally as they are written."""
+    """Feed the journal's lines to the tally as they are written."""
     while True:
         await asyncio.sleep(FOLLOW_EVERY_S)
-        for line in await asyncio.to_thread(tail.read):
-            if line["type"] == "request":
-                tally.add_line(line)
+        _feed(await asyncio.to_thread(tail.read), tally)
+
+
+def _feed(lines: list[dict[str, Any]], tally: Tally) -> None:
+    for line in lines:
+        if line["type"] == "request":
+            tally.add_line(line)
+        elif line["type"] == "engine":
+            tally.add_engine_line(line)
 
 
 class _Failures(logging.Handler):
@@ -114,7 +137,9 @@ async def run_chaos(options: ChaosOptions) -> Report:
     roles = [(f"prefill-{i}", "prefill") for i in range(options.prefill)]
     roles += [(f"decode-{i}", "decode") for i in range(options.decode)]
     downtime = Downtime({phase: [name for name, r in roles if r == phase] for _, phase in roles})
-    report = Report(options, Tally(options.seed, ROUTER["serving"]["max_attempts"], downtime))
+    pinned = frozenset({"decode-0"} if options.controller and options.decode > 1 else ())
+    tally = Tally(options.seed, ROUTER["serving"]["max_attempts"], downtime, pinned)
+    report = Report(options, tally)
     failures = _Failures(report.unhandled)
     root = logging.getLogger()
     root.addHandler(failures)
@@ -127,7 +152,7 @@ async def run_chaos(options: ChaosOptions) -> Report:
     )
     try:
         with tempfile.TemporaryDirectory(prefix="narwhal-chaos-") as scratch:
-            await _run(options, roles, downtime, report, Path(scratch) / "journal.jsonl")
+            await _run(options, roles, downtime, report, Path(scratch) / "journal.jsonl", pinned)
     finally:
         root.removeHandler(failures)
         loop.set_exception_handler(previous)
@@ -140,26 +165,34 @@ async def _run(
     downtime: Downtime,
     report: Report,
     journal: Path,
+    pinned: frozenset[str],
 ) -> None:
     engines: dict[str, SimEngine] = {}
     outages = Outages(engines, random.Random(options.seed + 1), downtime)
     for name, _ in roles:
         engines[name] = SimEngine(
-            replace(ENGINE, name=name),
+            replace(ENGINE, name=name, **(CONTROLLED_ENGINE if options.controller else {})),
             on_crash=partial(outages.crashed, name),
             on_listening=partial(outages.listening, name),
         )
     async with asyncio.TaskGroup() as group:
         for engine in engines.values():
             group.create_task(engine.start())
+
+    def role(name: str, phase: str) -> dict[str, Any]:
+        if not options.controller:
+            return {"role": phase}
+        return {"role": "both", "start_as": phase, "pin": name in pinned}
+
     config = parse_config(
         {
             "model": MODEL,
             **ROUTER,
+            **(CONTROLLER if options.controller else {}),
             "journal": {"path": str(journal)},
             "engines": [
-                {"id": name, "url": engines[name].url, "role": role, **SEATS}
-                for name, role in roles
+                {"id": name, "url": engines[name].url, **role(name, phase), **SEATS}
+                for name, phase in roles
             ],
         },
         source="narwhal chaos",
@@ -208,9 +241,7 @@ async def _run(
             for engine in engines.values():
                 group.create_task(engine.stop())
     # The router has stopped, so its journal is complete.
-    for line in await asyncio.to_thread(tail.read):
-        if line["type"] == "request":
-            report.tally.add_line(line)
+    _feed(await asyncio.to_thread(tail.read), report.tally)
     report.tally.finish()
 
 

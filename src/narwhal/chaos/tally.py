@@ -12,7 +12,9 @@ from narwhal.chaos.checks import (
     AbandonedTotals,
     add_journal_abandoned,
     line_problems,
+    moved_to,
     no_engine_problems,
+    role_problems,
     unavailable_reason,
     view_problems,
 )
@@ -40,9 +42,17 @@ class Tally:
     """Judges each request once both its client's view and its journal line are in, then
     keeps only counts: a long run's memory does not grow with its number of requests."""
 
-    def __init__(self, seed: int, max_attempts: int, downtime: Downtime | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        max_attempts: int,
+        downtime: Downtime | None = None,
+        pinned: frozenset[str] = frozenset(),
+        floor: int = 1,
+    ) -> None:
         """`downtime` is read as lines come in: every outage a line's request lived
-        through began before the line was written."""
+        through began before the line was written. `pinned` engines must never move, and
+        no move may leave a phase with fewer than `floor` engines."""
         self._prefix = f"chaos-{seed}-"
         self._max_attempts = max_attempts
         self._downtime = Downtime({}) if downtime is None else downtime
@@ -59,6 +69,10 @@ class Tally:
         self.no_engine = Problems()
         # Abandoned handoffs per producer, summed over the journal's lines.
         self.abandoned: dict[str, AbandonedTotals] = {}
+        # Role controller moves, and pins or floors they broke.
+        self.moves = 0
+        self.roles = Problems()
+        self._pinned, self._floor = pinned, floor
 
     def id_of(self, sent: Sent) -> str:
         return f"{self._prefix}{sent.index}"
@@ -97,6 +111,19 @@ class Tally:
             self._judge(self._sent.pop(index), line)
         else:
             self._lines[index] = line
+
+    def add_engine_line(self, line: dict[str, Any]) -> None:
+        """An engine event: a `role_change` changes which engines serve each phase."""
+        to = moved_to(line)
+        if to is None:
+            return
+        self.moves += 1
+        engine, at = str(line["engine"]), float(line["ts"])
+        self._downtime.moved(engine, to, at)
+        serving = {
+            phase: len(self._downtime.serving_at(phase, at)) for phase in ("prefill", "decode")
+        }
+        self.roles.add(role_problems(engine, to, self._pinned, serving, self._floor))
 
     def finish(self) -> None:
         """Once every line is in: requests left without one, lines left without a request."""

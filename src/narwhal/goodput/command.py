@@ -28,8 +28,22 @@ from narwhal.goodput.replay import (
     run_split,
 )
 from narwhal.goodput.report import controller_document, controller_table, document, plot, table
-from narwhal.goodput.score import PhaseStats, Slo, default_slo, split_stats
-from narwhal.goodput.traces import SHAPES, TraceRequest, generate, parse_jsonl, phase_durations
+from narwhal.goodput.score import (
+    Outcome,
+    PhaseStats,
+    Slo,
+    default_slo,
+    split_stats,
+    steady_stats,
+)
+from narwhal.goodput.traces import (
+    SHAPES,
+    TraceRequest,
+    generate,
+    parse_jsonl,
+    phase_durations,
+    phase_runs,
+)
 from narwhal.sim.options import profile_options
 from narwhal.sim.profiles import PROFILES
 
@@ -53,6 +67,12 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
         dest="controller",
         action="store_false",
         help="skip the role controller run",
+    )
+    add(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="trace seconds after each phase starts left out of its 'steady' figures",
     )
     add("--out", type=Path, default=Path("goodput.json"), help="JSON report")
     add("--plot", type=Path, help="also draw a PNG chart (needs matplotlib)")
@@ -107,15 +127,29 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     slo = default_slo(options.step_costs, options.request_overhead_s)
     slo = Slo(args.slo_ttft or slo.ttft_s, args.slo_tpot or slo.tpot_s)
     durations = phase_durations(trace, duration)
+    phase_spans = phase_runs(trace, duration)
+
+    def stats_of(outcomes: list[Outcome]) -> dict[str, PhaseStats]:
+        return {
+            **split_stats(outcomes, slo, durations),
+            **steady_stats(outcomes, slo, phase_spans, args.settle),
+        }
+
     results: Results = {}
     runs: list[dict[str, Any]] = []
     controlled: dict[str, PhaseStats] | None = None
     control_run: SplitRun | None = None
     fields = {"profile": args.profile, "speed": args.speed, "kv_lease_s": KV_LEASE_S}
+    start = args.engines // 2
     async with FleetProcess(args.engines, fields) as fleet:
-        for prefill in splits:
-            run: SplitRun = await run_split(fleet, prefill, trace, args.speed)
-            results[prefill] = split_stats(run.outcomes, slo, durations)
+        for prefill, controller in run_order(splits, start, getattr(args, "controller", True)):
+            sections = controller_sections(slo, args.speed) if controller else None
+            run = await run_split(fleet, prefill, trace, args.speed, controller=sections)
+            if controller:
+                control_run, controlled = run, stats_of(run.outcomes)
+                _progress(f"controller from {start}P{args.engines - start}D", run)
+                continue
+            results[prefill] = stats_of(run.outcomes)
             runs.append(
                 {
                     "prefill": run.prefill,
@@ -123,16 +157,10 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
                     "wall_s": round(run.wall_s, 2),
                     "engine_cpu_s": round(run.engine_cpu_s, 2),
                     "router_client_cpu_s": round(run.router_client_cpu_s, 2),
+                    **(run.start or {}),
                 }
             )
             _progress(f"split {run.prefill}P{run.decode}D", run)
-        if getattr(args, "controller", True):
-            start = args.engines // 2
-            control_run = await run_split(
-                fleet, start, trace, args.speed, controller=controller_sections(slo, args.speed)
-            )
-            controlled = split_stats(control_run.outcomes, slo, durations)
-            _progress(f"controller from {start}P{args.engines - start}D", control_run)
     meta = {
         "profile": args.profile,
         "engines": args.engines,
@@ -143,17 +171,31 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
         "speed": args.speed,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "phase_durations_s": durations,
+        "settle_s": args.settle,
     }
     report = document(meta, results, runs)
     if controlled is not None and control_run is not None:
-        report["controller"] = controller_document(control_run, controlled, results)
+        report["controller"] = controller_document(control_run, controlled, results, args.speed)
     return results, report
 
 
+def run_order(splits: list[int], start: int, controller: bool) -> list[tuple[int, bool]]:
+    """(prefill count, controller?) in the order run: the controller run, if any, in the
+    middle of the static splits, so that a machine whose other load drifts during the
+    experiment favours neither side."""
+    order = [(prefill, False) for prefill in splits]
+    if controller:
+        order.insert(len(splits) // 2, (start, True))
+    return order
+
+
 def _progress(what: str, run: SplitRun) -> None:
+    waited = run.start or {}
     print(
         f"{what}: {run.wall_s:.1f} s wall, engines {run.engine_cpu_s:.1f} s CPU, "
-        f"router+client {run.router_client_cpu_s:.1f} s CPU",
+        f"router+client {run.router_client_cpu_s:.1f} s CPU; waited "
+        f"{waited.get('idle_wait_s', 0.0):.1f} s for idle engines"
+        f"{' (restarted them)' if waited.get('restarted') else ''}",
         file=sys.stderr,
         flush=True,
     )

@@ -22,12 +22,15 @@ import aiohttp
 import orjson
 
 from narwhal.config import parse_config
+from narwhal.goodput.idle import wait_idle
 from narwhal.goodput.score import Outcome, Slo
 from narwhal.goodput.traces import TraceRequest
 from narwhal.router.app import RouterServer
 from narwhal.sim.model import VOCAB_SIZE
 
 MODEL = "narwhal-sim"
+IDLE_TIMEOUT_S = 30.0
+"""How long a run waits for the engines to go idle before it restarts them."""
 KV_LEASE_S = 600.0
 """Engines and router hold handed-off KV this long (vLLM's 30 s would expire handoffs that
 an overloaded split keeps waiting, and the lease does not scale with the replay speed)."""
@@ -58,13 +61,30 @@ class FleetProcess:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._process is None:
             return
-        assert self._process.stdin is not None
-        self._process.stdin.close()
+        process, self._process = self._process, None
+        assert process.stdin is not None
+        process.stdin.close()
         try:
-            await asyncio.wait_for(self._process.wait(), 10)
+            await asyncio.wait_for(process.wait(), 10)
         except TimeoutError:
-            self._process.kill()
-            await self._process.wait()
+            process.kill()
+            await process.wait()
+
+    async def restart(self) -> None:
+        """Fresh engines (new ports, empty queues and caches) in a new child process."""
+        await self.__aexit__(None, None, None)
+        await self.__aenter__()
+
+    async def fair_start(self, timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, Any]:
+        """Wait until every engine is idle, restarting them if that takes too long; says
+        how long it waited and whether it restarted (for the report)."""
+        started = time.monotonic()
+        restarted = not await wait_idle(self.urls, timeout_s)
+        if restarted:
+            await self.restart()
+            if not await wait_idle(self.urls, timeout_s):
+                raise RuntimeError("the simulated engines are not idle even after a restart")
+        return {"idle_wait_s": round(time.monotonic() - started, 2), "restarted": restarted}
 
     async def cpu_seconds(self) -> float:
         assert self._process is not None and self._process.stdin is not None
@@ -91,6 +111,10 @@ class SplitRun:
     router_client_cpu_s: float
     # The controller run: its state at the end (moves, timeline, split).
     controller: dict[str, Any] | None = None
+    # How the run started: the wait for idle engines, and whether they were restarted.
+    start: dict[str, Any] | None = None
+    # Wall-clock time (`time.time()`) the trace's replay began at.
+    started_at: float = 0.0
 
 
 def controller_sections(slo: Slo, speed: float) -> dict[str, Any]:
@@ -164,13 +188,15 @@ async def run_split(
     *,
     controller: Mapping[str, Any] | None = None,
 ) -> SplitRun:
-    """One static split, or with `controller` the role controller starting from it."""
+    """One static split, or with `controller` the role controller starting from it, on
+    idle engines (see `FleetProcess.fair_start`)."""
+    start = await fleet.fair_start()
     raw = router_config(fleet.urls, prefill, controller)
     server = RouterServer(parse_config(raw, source="narwhal goodput"))
     await server.start()
     engine_cpu = await fleet.cpu_seconds()
     own_cpu = time.process_time()
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     salt = f"{'controller' if controller else 'split'}-{prefill}"
     summary = None
     try:
@@ -187,6 +213,8 @@ async def run_split(
         engine_cpu_s=await fleet.cpu_seconds() - engine_cpu,
         router_client_cpu_s=time.process_time() - own_cpu,
         controller=summary,
+        start=start,
+        started_at=started_at,
     )
 
 
@@ -226,13 +254,13 @@ async def _request(
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
                 await response.read()
-                return Outcome(request.phase, completed=False)
+                return Outcome(request.phase, False, arrival_s=request.arrival_s)
             async for data in response.content.iter_any():
                 # One `data: {...}` event per token (the usage event is off); count them
                 # without parsing, across chunk boundaries.
                 seen = tail + data
                 if b'data: {"error"' in seen:
-                    return Outcome(request.phase, completed=False)
+                    return Outcome(request.phase, False, arrival_s=request.arrival_s)
                 count = seen.count(b"data: {") - tail.count(b"data: {")
                 tail = seen[-8:]
                 if count:
@@ -241,8 +269,8 @@ async def _request(
                     last = now
                     tokens += count
     except (TimeoutError, aiohttp.ClientError):
-        return Outcome(request.phase, completed=False)
+        return Outcome(request.phase, False, arrival_s=request.arrival_s)
     if first is None or tokens < request.output_tokens:
-        return Outcome(request.phase, completed=False)
+        return Outcome(request.phase, False, arrival_s=request.arrival_s)
     tpot = (last - first) * speed / (tokens - 1) if tokens > 1 else None
-    return Outcome(request.phase, True, (first - sent) * speed, tpot)
+    return Outcome(request.phase, True, (first - sent) * speed, tpot, request.arrival_s)

@@ -19,7 +19,7 @@ def _ms(value: float | None) -> str:
 def table(results: Mapping[int, Mapping[str, PhaseStats]], engines: int) -> str:
     """One row per split and phase: goodput, then TTFT and TPOT p50/p90/p99 in ms."""
     header = (
-        f"{'split':>6} {'phase':<14} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
+        f"{'split':>6} {'phase':<21} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
         f"{'TTFT p50/p90/p99 ms':>21}  {'TPOT p50/p90/p99 ms':>19}"
     )
     lines = [header, "-" * len(header)]
@@ -28,7 +28,7 @@ def table(results: Mapping[int, Mapping[str, PhaseStats]], engines: int) -> str:
             ttft = "/".join(_ms(v) for v in (stats.ttft_s.p50, stats.ttft_s.p90, stats.ttft_s.p99))
             tpot = "/".join(_ms(v) for v in (stats.tpot_s.p50, stats.tpot_s.p90, stats.tpot_s.p99))
             lines.append(
-                f"{f'{prefill}P{engines - prefill}D':>6} {phase:<14} {stats.requests:>5} "
+                f"{f'{prefill}P{engines - prefill}D':>6} {phase:<21} {stats.requests:>5} "
                 f"{stats.good:>5} {stats.goodput_rps:>9.2f}  {ttft:>21}  {tpot:>19}"
             )
     lines.append("")
@@ -95,11 +95,21 @@ def document(
 
 
 def controller_document(
-    run: SplitRun, stats: Mapping[str, PhaseStats], results: Mapping[int, Mapping[str, PhaseStats]]
+    run: SplitRun,
+    stats: Mapping[str, PhaseStats],
+    results: Mapping[int, Mapping[str, PhaseStats]],
+    speed: float = 1.0,
 ) -> dict[str, Any]:
-    """The controller run in the JSON report: its phases, its moves, and its goodput over
-    the best static split's, overall and per phase."""
+    """The controller run in the JSON report: its phases, its moves (each with `at_s`, its
+    time in trace seconds since the replay began), and its goodput over the best static
+    split's, overall and per phase."""
     summary = run.controller or {}
+    timeline = [
+        {**move, "at_s": round((move["ts"] - run.started_at) * speed, 1)}
+        if "ts" in move and run.started_at
+        else dict(move)
+        for move in summary.get("timeline", [])
+    ]
     versus: dict[str, float | None] = {}
     for phase, mine in stats.items():
         best = best_split(results, phase)
@@ -108,10 +118,11 @@ def controller_document(
     return {
         "start": {"prefill": run.prefill, "decode": run.decode},
         "wall_s": round(run.wall_s, 2),
+        **(run.start or {}),
         "phases": {phase: s.to_json() for phase, s in stats.items()},
         "vs_best_static": versus,
         "moves": summary.get("moves", {}),
-        "timeline": summary.get("timeline", []),
+        "timeline": timeline,
         "final_split": summary.get("split"),
         # Why it held at the end when it did not move (e.g. "donor_slo").
         "last_decision": summary.get("last_decision"),
@@ -121,11 +132,12 @@ def controller_document(
 def controller_table(
     doc: Mapping[str, Any], results: Mapping[int, Mapping[str, PhaseStats]], engines: int
 ) -> str:
-    """The controller run's goodput per phase beside the best static split's."""
+    """The controller run's goodput and latencies per phase beside the best static
+    split's goodput."""
     start = doc["start"]
     header = (
-        f"{'controller':>10} {'phase':<14} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
-        f"{'best static':>18}  {'ratio':>5}"
+        f"{'phase':<21} {'reqs':>5} {'good':>5} {'goodput/s':>9}  {'TTFT p50/p99 ms':>15}  "
+        f"{'TPOT p50/p99':>12}  {'best static':>18}  {'ratio':>5}"
     )
     lines = [
         f"role controller, starting from {start['prefill']}P{start['decode']}D:",
@@ -140,13 +152,19 @@ def controller_table(
             else "-"
         )
         ratio = doc["vs_best_static"].get(phase)
+        ttft = "/".join(_ms(stats["ttft_s"][q]) for q in ("p50", "p99"))
+        tpot = "/".join(_ms(stats["tpot_s"][q]) for q in ("p50", "p99"))
         lines.append(
-            f"{'':>10} {phase:<14} {stats['requests']:>5} {stats['good']:>5} "
-            f"{stats['goodput_rps']:>9.2f}  {best_text:>18}  "
-            f"{'-' if ratio is None else f'{ratio:.2f}x':>5}"
+            f"{phase:<21} {stats['requests']:>5} {stats['good']:>5} "
+            f"{stats['goodput_rps']:>9.2f}  {ttft:>15}  {tpot:>12}  {best_text:>18}  "
+            f"{'n/a' if ratio is None else f'{ratio:.2f}x':>5}"
         )
+    if None in doc["vs_best_static"].values():
+        lines.append("n/a: no static split served a request within both SLOs there")
     moves = ", ".join(
-        f"{m['engine']} {m['from']}->{m['to']} ({m['reason']})" for m in doc["timeline"]
+        (f"{m['at_s']:.1f} s " if "at_s" in m else "")
+        + f"{m['engine']} {m['from']}->{m['to']} ({m['reason']})"
+        for m in doc["timeline"]
     )
-    lines.append(f"moves: {moves or 'none'}")
+    lines.append(f"moves ({len(doc['timeline'])}): {moves or 'none'}")
     return "\n".join(lines)

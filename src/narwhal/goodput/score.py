@@ -46,6 +46,7 @@ class Outcome:
     completed: bool
     ttft_s: float | None = None
     tpot_s: float | None = None  # None with a single output token
+    arrival_s: float = 0.0  # when the trace sent it
 
     def good(self, slo: Slo) -> bool:
         return (
@@ -133,6 +134,36 @@ def split_stats(
     }
     stats[ALL] = phase_stats(outcomes, slo, sum(durations.values()))
     return stats
+
+
+STEADY = "steady"
+
+
+def steady_stats(
+    outcomes: Sequence[Outcome],
+    slo: Slo,
+    runs: Sequence[tuple[str, float, float]],
+    settle_s: float,
+) -> dict[str, PhaseStats]:
+    """Per phase, over requests that arrived after the first `settle_s` of one of its runs
+    (`runs`: phase, start, end), as "<phase> steady": a phase once a split has had time to
+    follow it, apart from the shift into it."""
+    steady: dict[str, list[tuple[float, float]]] = {}
+    for phase, start, end in runs:
+        if end - start > settle_s:
+            steady.setdefault(phase, []).append((start + settle_s, end))
+    return {
+        f"{phase} {STEADY}": phase_stats(
+            [
+                o
+                for o in outcomes
+                if o.phase == phase and any(a <= o.arrival_s < b for a, b in spans)
+            ],
+            slo,
+            sum(b - a for a, b in spans),
+        )
+        for phase, spans in steady.items()
+    }
 
 
 def best_split(results: Mapping[int, Mapping[str, PhaseStats]], phase: str = ALL) -> int | None:

@@ -39,6 +39,13 @@ class Mix:
     def draw(self, rng: random.Random, scale: float) -> tuple[int, int]:
         return _draw(rng, self.prompt, scale), _draw(rng, self.output, scale)
 
+    def scaled(self, scale: float) -> Mix:
+        """The same mix with every length multiplied by `scale` (at least one token)."""
+        return Mix(
+            (max(1, round(self.prompt[0] * scale)), max(1, round(self.prompt[1] * scale))),
+            (max(1, round(self.output[0] * scale)), max(1, round(self.output[1] * scale))),
+        )
+
     @property
     def mean_prompt(self) -> float:
         return sum(self.prompt) / 2
@@ -87,9 +94,10 @@ def generate(
 ) -> list[TraceRequest]:
     """Poisson arrivals over `duration_s`, the shape's phases repeated `cycles` times.
 
-    `rate` is requests per second, or a function of a phase's mix (so a phase of long
-    prompts can arrive more slowly than one of short ones). `token_scale` shrinks or
-    grows every length (small tests use small requests).
+    `rate` is requests per second, or a function of a phase's mix, lengths already scaled
+    by `token_scale` (so a phase of long prompts can arrive more slowly than one of short
+    ones, and shrunken requests arrive as much faster as they are shorter). `token_scale`
+    shrinks or grows every length (small tests use small requests).
     """
     if duration_s <= 0 or cycles < 1:
         raise ValueError("a trace needs a positive duration and at least one cycle")
@@ -99,7 +107,8 @@ def generate(
     requests: list[TraceRequest] = []
     for index, phase in enumerate(phases):
         start, end = index * window, (index + 1) * window
-        phase_rate = (rate(phase.mix) if callable(rate) else rate) * phase.rate_factor
+        phase_rate = rate(phase.mix.scaled(token_scale)) if callable(rate) else rate
+        phase_rate *= phase.rate_factor
         if phase_rate <= 0:
             continue
         t = start + rng.expovariate(phase_rate)
@@ -110,18 +119,28 @@ def generate(
     return requests
 
 
-def phase_durations(requests: Sequence[TraceRequest], duration_s: float) -> dict[str, float]:
-    """How long the trace spends in each phase: a run of one phase lasts from its first
-    arrival (0 for the first run) to the next run's, the last until `duration_s`."""
+def phase_runs(
+    requests: Sequence[TraceRequest], duration_s: float
+) -> list[tuple[str, float, float]]:
+    """(phase, start, end) of each run of one phase: from its first arrival (0 for the
+    first run) to the next run's, the last until `duration_s`."""
     ordered = sorted(requests, key=lambda request: request.arrival_s)
-    durations: dict[str, float] = {}
-    runs: list[tuple[str, float]] = []
+    starts: list[tuple[str, float]] = []
     for request in ordered:
-        if not runs or runs[-1][0] != request.phase:
-            runs.append((request.phase, request.arrival_s))
-    for i, (phase, start) in enumerate(runs):
+        if not starts or starts[-1][0] != request.phase:
+            starts.append((request.phase, request.arrival_s))
+    runs = []
+    for i, (phase, start) in enumerate(starts):
         start = 0.0 if i == 0 else start
-        end = runs[i + 1][1] if i + 1 < len(runs) else max(duration_s, start)
+        end = starts[i + 1][1] if i + 1 < len(starts) else max(duration_s, start)
+        runs.append((phase, start, end))
+    return runs
+
+
+def phase_durations(requests: Sequence[TraceRequest], duration_s: float) -> dict[str, float]:
+    """How long the trace spends in each phase (the sum of its runs)."""
+    durations: dict[str, float] = {}
+    for phase, start, end in phase_runs(requests, duration_s):
         durations[phase] = durations.get(phase, 0.0) + (end - start)
     return durations
 

@@ -50,6 +50,7 @@ class ControlLoop:
         latency: PhaseLatency,
         *,
         source: ObservationSource | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.fleet = fleet
         self.operations = operations
@@ -57,6 +58,8 @@ class ControlLoop:
         self.slo = slo
         self.latency = latency
         self.source = source or self.observe
+        # The clock of the latency samples (`time.perf_counter()`, as requests are timed).
+        self.clock = clock
         self.state = ControlState()
         self.started = 0.0
         self.last: Decision | None = None
@@ -67,21 +70,25 @@ class ControlLoop:
 
     def observe(self, now: float) -> Observation:
         """The fleet's role table and each phase's load over the window."""
-        (ttft, ttft_n), (tpot, tpot_n) = self.latency.p90(time.perf_counter(), self.config.window_s)
+        perf_now = self.clock()
+        moved = self.state.last_move_at
+        since = None if moved is None else perf_now - (now - moved)
+        window = self.latency.window(perf_now, self.config.window_s, since)
         engines = self.fleet.engines
         return Observation(
             now=now,
             engines=tuple(self._view(e, now) for e in engines),
             prefill=PhaseLoad(
-                ttft,
-                ttft_n,
+                window.prefill.p90_s,
+                window.prefill.samples,
                 queued=self.fleet.queued,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.PREFILL)),
                 seats_in_use=sum(e.prefill_seats for e in engines),
             ),
             decode=PhaseLoad(
-                tpot,
-                tpot_n,
+                window.tpot.p90_s,
+                window.tpot.samples,
+                wait_p90_s=window.first_token_wait.p90_s,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.DECODE)),
                 seats_in_use=sum(e.decode_seats for e in engines),
             ),

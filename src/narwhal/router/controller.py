@@ -3,9 +3,15 @@ phase it serves. Pure: an observation and the controller's memory in, at most on
 with the reason and the inputs it was taken on. `control_loop` gathers the observation and
 applies the move through `operations`.
 
-**Pressure.** Each phase's pressure is its p90 latency over its objective: TTFT over
-`[slo] ttft_s` for prefill, time per output token after the first over `[slo] tpot_s` for
-decode. A pressure of 1 means the phase sits at its SLO.
+**Pressure.** Each phase's pressure is its p90 latency over its objective, a pressure of
+1 meaning the phase sits at its SLO. Prefill's is the time to the producer's first token
+(the router's seat queue and the prefill leg) over `[slo] ttft_s`. Decode's is the larger
+of the time per output token after the first over `[slo] tpot_s` and the wait from the
+descriptor to the consumer's first token (the KV pull, and a place in a full batch) over
+`[slo] ttft_s`: a consumer whose batch is full makes new requests wait for their first
+token, and that wait is decode's, not prefill's. Only requests that arrived after the last
+move count: they were placed on the split as it is now, so no move is taken twice on the
+same evidence, and a move that was not enough shows as such.
 
 **When an engine moves** (checked in this order; the first that fails is the reason to hold):
 
@@ -13,7 +19,6 @@ decode. A pressure of 1 means the phase sits at its SLO.
 |-------------------|------------------------------------------------------------------|
 | samples           | either phase has fewer than `min_samples` requests in the window |
 | cooldown          | a move happened less than `cooldown_s` ago                       |
-| same evidence     | both pressures are within 10% of those the last move was taken on |
 | objectives        | the higher pressure is below `min_pressure`                      |
 | band (hysteresis) | the higher pressure is less than `ratio` times the lower         |
 | floor             | the other phase would drop below `min_prefill` / `min_decode`    |
@@ -38,8 +43,6 @@ from narwhal.controller_config import ControllerConfig, SloConfig
 TOWARD_PREFILL = "ttft_pressure"
 TOWARD_DECODE = "tpot_pressure"
 MOVE_REASONS = (TOWARD_PREFILL, TOWARD_DECODE)
-# Pressures within this fraction of the last move's are the same evidence.
-SAME_EVIDENCE = 0.1
 
 Inputs = dict[str, float | int | str | None]
 
@@ -68,6 +71,8 @@ class PhaseLoad:
 
     p90_s: float | None
     samples: int
+    # Decode only: the p90 wait from the descriptor to the consumer's first token.
+    wait_p90_s: float | None = None
     # Requests waiting for a seat in the router, and the engines' own reported queues.
     queued: int = 0
     waiting: float = 0.0
@@ -87,8 +92,6 @@ class ControlState:
     """What the controller remembers between decisions."""
 
     last_move_at: float | None = None
-    # (prefill, decode) pressures the last move was taken on.
-    last_evidence: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,7 @@ def decide(
     inputs: Inputs = {
         "ttft_p90_s": obs.prefill.p90_s,
         "tpot_p90_s": obs.decode.p90_s,
+        "first_token_wait_p90_s": obs.decode.wait_p90_s,
         "prefill_samples": obs.prefill.samples,
         "decode_samples": obs.decode.samples,
         "queued": obs.prefill.queued,
@@ -144,12 +148,11 @@ def decide(
         or min(p_load.samples, d_load.samples) < config.min_samples
     ):
         return hold("samples", f"fewer than {config.min_samples} requests in a phase's window")
-    pp, pd = p_load.p90_s / slo.ttft_s, d_load.p90_s / slo.tpot_s
+    pp = p_load.p90_s / slo.ttft_s
+    pd = max(d_load.p90_s / slo.tpot_s, (d_load.wait_p90_s or 0.0) / slo.ttft_s)
     inputs["prefill_pressure"], inputs["decode_pressure"] = round(pp, 3), round(pd, 3)
     if state.last_move_at is not None and obs.now - state.last_move_at < config.cooldown_s:
         return hold("cooldown", f"last move {obs.now - state.last_move_at:.1f} s ago")
-    if state.last_evidence is not None and _same(state.last_evidence, (pp, pd)):
-        return hold("same_evidence", "pressures unchanged since the last move")
     to_prefill = pp >= pd
     high, low = (pp, pd) if to_prefill else (pd, pp)
     target, donor = (Role.PREFILL, Role.DECODE) if to_prefill else (Role.DECODE, Role.PREFILL)
@@ -185,15 +188,7 @@ def after(decision: Decision, state: ControlState, now: float) -> ControlState:
     """The memory after a decision that was applied."""
     if decision.move is None:
         return state
-    pp, pd = decision.inputs.get("prefill_pressure"), decision.inputs.get("decode_pressure")
-    evidence = (float(pp), float(pd)) if isinstance(pp, float) and isinstance(pd, float) else None
-    return ControlState(last_move_at=now, last_evidence=evidence)
-
-
-def _same(before: tuple[float, float], now: tuple[float, float]) -> bool:
-    return all(
-        abs(b - n) <= SAME_EVIDENCE * max(b, n, 1e-9) for b, n in zip(before, now, strict=True)
-    )
+    return ControlState(last_move_at=now)
 
 
 def _fmt(value: float | int | str | None) -> str:

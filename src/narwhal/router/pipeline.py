@@ -115,6 +115,8 @@ class Router:
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
         self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
+        # Told as each request's first token goes out to its client.
+        self.first_token_hooks: list[CallHook] = []
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
@@ -124,6 +126,7 @@ class Router:
         if config.controller.enabled:
             latency = PhaseLatency()
             self.call_hooks.append(latency.add)
+            self.first_token_hooks.append(latency.first_token)
             self.controller = ControlLoop(
                 self.fleet, self.operations, config.controller, config.slo, latency
             )
@@ -255,6 +258,8 @@ class Router:
         try:
             async with stream:
                 call.enter(Stage.RELAY)
+                for hook in self.first_token_hooks:
+                    hook(call, call.stage_at)
                 if client_request.stream:
                     response = await _relay(request, call, stream)
                 else:

@@ -28,6 +28,11 @@ from narwhal.sim.model import token_bytes
 PULL_TIMEOUT_S = 10.0
 """How long a consumer waits on a producer's side channel before failing the pull."""
 
+SIDE_CHANNEL_BACKLOG = 2048
+"""Pulls queue for the side channel as requests do for the engine's HTTP server: with
+asyncio's default of 100, a producer whose event loop is busy drops connections in a burst
+of pulls, and each comes back only after TCP's retransmission delay (seconds)."""
+
 RENEWAL_SHARE = 2 / 3
 """A heartbeat keeps held blocks for this share of the lease from its arrival."""
 
@@ -163,7 +168,9 @@ class SideChannel:
 
     async def listen(self, host: str, port: int) -> int:
         """Start listening; returns the bound port (useful when asked for port 0)."""
-        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, reuse_address=True, backlog=SIDE_CHANNEL_BACKLOG
+        )
         port_bound: int = self._server.sockets[0].getsockname()[1]
         return port_bound
 
