@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Final, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
+from narwhal.continuation_config import ContinuationConfig, parse_continuation
 from narwhal.tracing_config import TracingConfig, parse_tracing
 
 
@@ -182,6 +183,7 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     engine_contract: EngineContract | None = None
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -581,6 +583,7 @@ def _build(raw: object, source: str) -> Config:
     recovery = _recovery(top.table("recovery"))
     journal = _journal(top.table("journal"))
     tracing = parse_tracing(top.table("tracing"))
+    continuation = parse_continuation(top.table("continuation"))
     contract_table = top.optional_table("engine_contract")
     contract = _contract(contract_table) if contract_table else None
     entries = top.items("engines")
@@ -600,6 +603,7 @@ def _build(raw: object, source: str) -> Config:
         journal,
         contract,
         tracing,
+        continuation,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)

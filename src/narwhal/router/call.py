@@ -78,6 +78,13 @@ class Call:
     # own trace context as header lines for the engine legs (b"" if it sent none).
     trace: RequestTrace | None = None
     trace_lines: bytes = b""
+    # Stream continuation: replays sent after a consumer failed mid-answer, the generated
+    # tokens they prefilled again, the seconds from the failure to each replay's first
+    # token, and why an answer that failed was not continued.
+    continuations: int = 0
+    replayed_tokens: int = 0
+    interruption_s: float = 0.0
+    continuation_refused: str | None = None
 
     def __post_init__(self) -> None:
         self.stage_at = self.arrival
@@ -158,6 +165,10 @@ class Call:
             "outcome": outcome_of(self.status),
             "cause": self.cause,
             "error": self.error,
+            "continuations": self.continuations,
+            "replayed_tokens": self.replayed_tokens,
+            "interruption_s": self.interruption_s,
+            "continuation_refused": self.continuation_refused,
             "failures": [
                 {"engine": e.engine, "cause": e.cause.value, "status": e.status}
                 for e in self.errors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 import uuid
@@ -28,6 +29,7 @@ from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
+from narwhal.router.continuation import Progress, ineligible, with_token_ids
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Reservation
@@ -36,6 +38,7 @@ from narwhal.router.metrics import RouterMetrics
 from narwhal.router.operations import FleetOperations
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
+from narwhal.router.rescue import Rescue
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 from narwhal.tracing_config import resolve_tracing
@@ -94,6 +97,10 @@ class Router:
             ca_bundle=timeouts.ca_bundle,
         )
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
+        # Continuations spend their own credit, so that they never eat the retries'.
+        self.continuation_budget = RetryBudget(
+            config.continuation.budget, config.continuation.replenish
+        )
         self.breaker = Breaker(
             self.fleet, config.recovery.eject_after, config.recovery.max_ejected_fraction
         )
@@ -233,7 +240,15 @@ class Router:
             self.config.model,
         )
         call.stream = client_request.stream
+        progress = self._progress(client_request)
+        if progress is not None:
+            client_request = dataclasses.replace(
+                client_request, body=with_token_ids(client_request.body)
+            )
         reservation, stream = await self._open(call, client_request)
+        if progress is not None:
+            rescue = Rescue(self, request, call, client_request, progress)
+            return await rescue.serve(reservation, stream)
         try:
             async with stream:
                 call.enter(Stage.RELAY)
@@ -249,6 +264,20 @@ class Router:
         self.breaker.success(reservation.consumer.id)
         self.budget.on_success()
         return response
+
+    def _progress(self, client_request: ClientRequest) -> Progress | None:
+        """A tracker for a request that may be continued; None when continuation is off
+        for it (`[continuation]`, or a feature that cannot continue)."""
+        settings = self.config.continuation
+        if not settings.enabled or settings.max_attempts == 0:
+            return None
+        if ineligible(client_request) is not None:
+            return None
+        return Progress(
+            chat=client_request.endpoint is Endpoint.CHAT,
+            strip=client_request.body.get("return_token_ids") is not True,
+            max_tracked=settings.max_tracked_tokens,
+        )
 
     async def _open(
         self, call: Call, client_request: ClientRequest
@@ -273,9 +302,19 @@ class Router:
                 raise
 
     async def _attempt(
-        self, call: Call, client_request: ClientRequest, reservation: Reservation
+        self,
+        call: Call,
+        client_request: ClientRequest,
+        reservation: Reservation,
+        *,
+        rescue: bool = False,
     ) -> DecodeStream:
-        """One prefill/decode try, up to the decode's first token. Fresh ids, fresh handoff."""
+        """One prefill/decode try, up to the decode's first token. Fresh ids, fresh handoff.
+
+        With `rescue`, the try continues an answer (`router.rescue`): the request's own
+        first-token measurements and prompt count stay as they were.
+        """
+        endpoint = client_request.endpoint
         loop = asyncio.get_running_loop()
         producer, consumer = reservation.producer, reservation.consumer
         call.attempts += 1
@@ -288,14 +327,14 @@ class Router:
         if reservation.fallback:
             # Aggregate fallback: the consumer computes the prompt itself; no prefill leg.
             result = PrefillResult(
-                consumer.url, call.endpoint, backend_id, None, loop.time(), same_worker=True
+                consumer.url, endpoint, backend_id, None, loop.time(), same_worker=True
             )
             call.handoff = "fallback"
         else:
             call.enter(Stage.PREFILL)
             result = await self.client.prefill(
                 producer.url,
-                call.endpoint,
+                endpoint,
                 client_request.body,
                 same_worker=not reservation.crossed,
                 request_id=backend_id,
@@ -304,18 +343,19 @@ class Router:
                 trace=call.leg_headers(),
             )
             reservation.release_prefill()
-            call.ttft_s = time.perf_counter() - call.arrival
-            call.prompt_tokens = result.prompt_tokens
+            if not rescue:
+                call.ttft_s = time.perf_counter() - call.arrival
+                call.prompt_tokens = result.prompt_tokens
             call.enter(Stage.HANDOFF)
             call.handoff = self._handoff_kind(reservation, result, loop.time())
 
         call.handoffs.append(call.handoff)
         try:
-            descriptor = await self.client.handoff_descriptor(consumer.url, call.endpoint, result)
+            descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
             call.enter(Stage.DECODE)
             stream = await self.client.send_decode(
                 consumer.url,
-                call.endpoint,
+                endpoint,
                 client_request.body,
                 result,
                 descriptor,
@@ -330,6 +370,8 @@ class Router:
         self._prefill_succeeded(reservation)
         if call.handoff == "crossed":
             consumer.crossed_decodes += 1
+        if rescue:
+            return stream
         call.first_byte_s = time.perf_counter() - call.arrival
         if reservation.fallback:
             call.ttft_s = call.first_byte_s

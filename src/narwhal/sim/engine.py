@@ -270,6 +270,7 @@ class SimEngine:
                 options.model,
                 fingerprint=self.fingerprint,
                 reasoning_field=options.reasoning_field,
+                prompt_token_ids=inference.prompt_tokens if inference.return_token_ids else None,
             )
             output = SseOutput(request, inference, encoder, options.reasoning_tokens)
         else:
@@ -479,7 +480,11 @@ class SimEngine:
         self, launch: _Launch, generation: Generation, output: Output, fault: Fault
     ) -> web.StreamResponse | None:
         """Generate until finished; a fault that ends the request early returns its answer."""
-        marks = [k for k in (fault.silence_after, fault.close_after, fault.error_after) if k]
+        marks = [
+            k
+            for k in (fault.silence_after, fault.close_after, fault.error_after, fault.crash_after)
+            if k
+        ]
         while generation.finish_reason is None:
             sent = generation.completion_tokens
             if sent == 0 and fault.done_before_token and output.streaming:
@@ -487,6 +492,9 @@ class SimEngine:
             if fault.silence_after == sent:
                 await self._silence(output, fault)
             if fault.close_after == sent:
+                return output.abort()
+            if fault.crash_after == sent:
+                self._crash_by_fault()
                 return output.abort()
             if fault.error_after == sent:
                 return await output.fail(
