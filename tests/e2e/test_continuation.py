@@ -102,8 +102,8 @@ async def test_the_stream_has_one_id_one_finish_and_one_done(make_stack: StackFa
         payloads = sse_payloads(text)
         assert len({p["id"] for p in payloads}) == 1
         assert len({p["created"] for p in payloads}) == 1
-        finishes = [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]]
-        assert finishes == ["length"]
+        choices = [c for p in payloads for c in p["choices"]]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
         usages = [p["usage"] for p in payloads if p.get("usage")]
         assert len(usages) == 1 and usages[0]["completion_tokens"] == 24
         # The router's own token ids are not the client's to see.
@@ -146,14 +146,10 @@ async def test_an_ineligible_request_ends_as_before(make_stack: StackFactory) ->
 
 
 async def test_max_attempts_bounds_continuations(make_stack: StackFactory) -> None:
-    async with make_stack(
-        TWO_CONSUMERS, engine=ENGINE, continuation={"max_attempts": 1}
-    ) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={"max_attempts": 1}) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=2, close_after=3)
-        status, text = await stack.post(
-            "/v1/completions", {**GREEDY_COMPLETION, "stream": True}
-        )
+        status, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
         assert status == 200
         error = terminal_error(text)
         assert "not continued: continuation.max_attempts (1) used" in error["message"]
@@ -161,14 +157,10 @@ async def test_max_attempts_bounds_continuations(make_stack: StackFactory) -> No
 
 
 async def test_the_budget_bounds_continuations_router_wide(make_stack: StackFactory) -> None:
-    async with make_stack(
-        TWO_CONSUMERS, engine=ENGINE, continuation={"budget": 0}
-    ) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={"budget": 0}) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=3)
-        status, text = await stack.post(
-            "/v1/completions", {**GREEDY_COMPLETION, "stream": True}
-        )
+        _, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
         error = terminal_error(text)
         assert "continuation budget (continuation.budget) is spent" in error["message"]
 
@@ -179,23 +171,17 @@ async def test_tracked_tokens_are_bounded(make_stack: StackFactory) -> None:
     ) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=6)
-        status, text = await stack.post(
-            "/v1/completions", {**GREEDY_COMPLETION, "stream": True}
-        )
+        _, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
         error = terminal_error(text)
         assert "continuation.max_tracked_tokens (4)" in error["message"]
         await settled(stack)
 
 
 async def test_off_ends_as_before(make_stack: StackFactory) -> None:
-    async with make_stack(
-        TWO_CONSUMERS, engine=ENGINE, continuation={"enabled": False}
-    ) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={"enabled": False}) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=3)
-        status, text = await stack.post(
-            "/v1/completions", {**GREEDY_COMPLETION, "stream": True}
-        )
+        _, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
         error = terminal_error(text)
         assert "not continued" not in error["message"]
         await settled(stack)
