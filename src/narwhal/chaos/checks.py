@@ -79,8 +79,10 @@ def line_problems(line: Mapping[str, Any], max_attempts: int) -> list[str]:
         problems.append(f"{rid}: outcome {line['outcome']} for status {status}")
     if (line["error"] is None) != (status == 200):
         problems.append(f"{rid}: error {line['error']!r} with status {status}")
-    if line["attempts"] > max_attempts:
-        problems.append(f"{rid}: {line['attempts']} attempts, over {max_attempts}")
+    # Each continuation is one more attempt of its own (bounded by [continuation]).
+    allowed = max_attempts + line.get("continuations", 0)
+    if line["attempts"] > allowed:
+        problems.append(f"{rid}: {line['attempts']} attempts, over {allowed}")
     return problems
 
 
@@ -92,6 +94,14 @@ def view_problems(sent: Sent, line: Mapping[str, Any]) -> list[str]:
     if not sent.left and sent.seen != status:
         return [f"{rid}: the client was told {sent.seen}, the journal says {status}"]
     return []
+
+
+def text_problems(sent: Sent, index_id: str) -> list[str]:
+    """A complete answer holds exactly the text the engines generate for its request:
+    nothing lost, nothing doubled, however many consumers it took."""
+    if sent.text is None or sent.expected is None or sent.text == sent.expected:
+        return []
+    return [f"{index_id}: the client got {sent.text!r}, the engines generate {sent.expected!r}"]
 
 
 def check_leaks(state: Mapping[str, Any]) -> list[str]:

@@ -32,11 +32,20 @@ class Report:
         service.add(check_service(self.state) if self.state else unsettled)
         if self.trend is None or not self.trend.stable:
             memory.add(["RSS grew past its bound"])
+        continued = Problems()
+        tally = self.tally
+        tried = tally.continued_ok + tally.continued_failed
+        if tried and tally.continued_ok < 0.99 * tried:
+            continued.add(
+                [f"only {tally.continued_ok} of {tried} answers cut mid-way ended complete"]
+            )
         return {
             "one outcome per request": self.tally.once,
             "statuses follow the rules": self.tally.rules,
             "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
             "clients saw what the journal says": self.tally.views,
+            "every complete answer's text, nothing lost or doubled": self.tally.texts,
+            "answers cut mid-way continued (at least 99 %)": continued,
             "nothing left in flight": leaks,
             "every engine back in service": service,
             "memory stable": memory,
@@ -68,6 +77,10 @@ def format_report(report: Report) -> str:
     out.append(
         f"clients: {tally.left} left part-way ({tally.closed} journaled as 499), "
         f"{tally.terminal} streams ended with a terminal error event"
+    )
+    out.append(
+        f"continuation: {tally.continued_ok} answers cut mid-way ended complete, "
+        f"{tally.continued_failed} did not"
     )
     state = report.state
     seats = sum(

@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     CLIENT_CLOSED,
     line_problems,
     no_engine_problems,
+    text_problems,
     unavailable_reason,
     view_problems,
 )
@@ -55,6 +56,10 @@ class Tally:
         self.rules = Problems()
         self.views = Problems()
         self.no_engine = Problems()
+        self.texts = Problems()
+        # Answers whose consumer failed after output began and that the router tried to
+        # continue: those that ended as complete 200 answers, and the rest.
+        self.continued_ok = self.continued_failed = 0
 
     def id_of(self, sent: Sent) -> str:
         return f"{self._prefix}{sent.index}"
@@ -78,6 +83,11 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
+        if line.get("continuations") or line.get("continuation_refused"):
+            if line["status"] == 200:
+                self.continued_ok += 1
+            else:
+                self.continued_failed += 1
         reason = unavailable_reason(line)
         if reason is not None:
             self.unavailable[line["status"], reason] += 1
@@ -113,3 +123,4 @@ class Tally:
         self._judged[sent.index] = 1
         if not sent.hung:
             self.views.add(view_problems(sent, line))
+        self.texts.add(text_problems(sent, self.id_of(sent)))
