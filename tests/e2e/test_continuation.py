@@ -109,7 +109,12 @@ async def test_the_stream_has_one_id_one_finish_and_one_done(make_stack: StackFa
         # The router's own token ids are not the client's to see.
         assert all(c["token_ids"] is None for p in payloads for c in p["choices"])
         assert all(c["prompt_token_ids"] is None for p in payloads for c in p["choices"])
-        await settled(stack)
+        state = await settled(stack)
+        assert state["continuation"]["continued"] == 1
+        async with stack.http.get(stack.url + "/metrics") as response:
+            metrics = await response.text()
+        assert 'narwhal_continued_requests_total{outcome="ok"} 1.0' in metrics
+        assert "narwhal_continuations_total 1.0" in metrics
 
 
 async def test_ids_the_client_asked_for_are_kept_and_continue(make_stack: StackFactory) -> None:

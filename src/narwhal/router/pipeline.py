@@ -115,7 +115,16 @@ class Router:
         self.recent = RecentCalls()
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
-        self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
+        self.call_hooks: list[CallHook] = [
+            self.recent.add,
+            self.metrics.observe,
+            log_call,
+            self._count_continuation,
+        ]
+        # Requests continued after a consumer failed mid-answer, and cut answers that were
+        # not, for the fleet page.
+        self.continued = 0
+        self.continuation_refused = 0
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
@@ -144,6 +153,12 @@ class Router:
         if self.tracing is not None:
             # Exports what is still batched; it blocks, so off the loop.
             await asyncio.to_thread(self.tracing.shutdown)
+
+    def _count_continuation(self, call: Call, now: float) -> None:
+        if call.continuations and call.status == 200:
+            self.continued += 1
+        elif call.continuations or call.continuation_refused is not None:
+            self.continuation_refused += 1
 
     def _journal_engine_event(self, event: EngineEvent) -> None:
         self.journal.record(engine_entry(event))

@@ -36,6 +36,13 @@ def snapshot(router: Router) -> dict[str, Any]:
             "spent": router.budget.spent,
             "denied": router.budget.denied,
         },
+        "continuation": {
+            "enabled": router.config.continuation.enabled,
+            "continued": router.continued,
+            "not_continued": router.continuation_refused,
+            "credit": round(router.continuation_budget.credit, 3),
+            "size": router.continuation_budget.initial,
+        },
         "recent": router.recent.summary(time.perf_counter()),
         "engines": [engine_entry(engine, now) for engine in router.fleet.engines],
     }

@@ -1,0 +1,117 @@
+"""Stream continuation on real vLLM: the decode engine serving an answer is killed mid-way,
+and the client still gets one complete answer, continued on the other consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from real_support import FIGURES, MODEL, RealStack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MAX_TOKENS = 160
+COMPLETION = {
+    "model": MODEL,
+    "prompt": "The sea is deep and the whales",
+    "max_tokens": MAX_TOKENS,
+    "ignore_eos": True,
+    "temperature": 0,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+# The tiny model reasons for some 64 events before its reply; the cut comes in the reply.
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about whales"}],
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "temperature": 0,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+async def _serving_consumer(real: RealStack) -> str:
+    """The consumer holding the one decode seat in use."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(real.server.url + "/narwhal/state") as response,
+    ):
+        state = await response.json()
+    busy = [
+        e["id"]
+        for e in state["engines"]
+        if e["role"] == "decode" and e["seats"]["decode"]["in_use"]
+    ]
+    assert len(busy) == 1, busy
+    return str(busy[0])
+
+
+async def _restarted(real: RealStack, name: str) -> None:
+    await real.fleet[name].restart()
+    for _ in range(240):
+        if await real.engine_state(name) == "admitted":
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{name} was not readmitted")
+
+
+async def _cut(real: RealStack, route: str, body: dict[str, Any], rid: str) -> list[Any]:
+    """Stream the answer; once it has content, kill its consumer. Returns the payloads."""
+    payloads: list[Any] = []
+    killed: str | None = None
+    started = time.monotonic()
+    content_events = 0
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(real.server.url + route, json=body, headers={"X-Request-Id": rid}) as response,
+    ):
+        assert response.status == 200
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line.removeprefix(b"data: ").strip()
+            payloads.append(data if data == b"[DONE]" else orjson.loads(data))
+            choices = payloads[-1]["choices"] if isinstance(payloads[-1], dict) else []
+            for choice in choices:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                content_events += bool(piece)
+            if content_events == 10 and killed is None:
+                killed = await _serving_consumer(real)
+                started = time.monotonic()
+                await real.fleet[killed].kill()
+    assert killed is not None, "the answer ended before it could be cut"
+    FIGURES[f"continued {route} after kill"] = f"{time.monotonic() - started:.1f} s to the end"
+    await _restarted(real, killed)
+    return payloads
+
+
+def _check(payloads: list[Any], max_tokens: int) -> None:
+    assert payloads[-1] == b"[DONE]" and payloads.count(b"[DONE]") == 1
+    chunks = payloads[:-1]
+    assert all("error" not in chunk for chunk in chunks), chunks[-3:]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    finishes = [c["finish_reason"] for p in chunks for c in p["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    usages = [p["usage"] for p in chunks if p.get("usage")]
+    assert len(usages) == 1 and usages[0]["completion_tokens"] == max_tokens
+
+
+async def test_a_completion_cut_by_a_killed_consumer_is_continued(real: RealStack) -> None:
+    payloads = await _cut(real, "/v1/completions", COMPLETION, "real-continue-completion")
+    _check(payloads, MAX_TOKENS)
+    entry = await real.journal_entry("real-continue-completion")
+    assert entry["status"] == 200 and entry["continuations"] >= 1, entry
+
+
+async def test_a_chat_answer_cut_by_a_killed_consumer_is_continued(real: RealStack) -> None:
+    payloads = await _cut(real, "/v1/chat/completions", CHAT, "real-continue-chat")
+    _check(payloads, 400)
+    entry = await real.journal_entry("real-continue-chat")
+    assert entry["status"] == 200 and entry["continuations"] >= 1, entry
