@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 class ContinuationConfig:
     """`[continuation]` with its defaults (see the README's "Stream continuation")."""
 
-    enabled: bool = True
+    # Off by default: tracking ids roughly doubles the router's CPU per relayed token
+    # (README, "Stream continuation").
+    enabled: bool = False
     # Continuations one request may use (each a fresh prefill, handoff and decode).
     max_attempts: int = 2
     # A token bucket shared by all requests, apart from the retry budget: credits at start,

@@ -29,6 +29,7 @@ FAULTS = {
     "error_object": {"error_after": 7},
 }
 ENGINE = {"decode_read_timeout_s": 0.5, "first_token_timeout_s": 10.0}
+ON = {"enabled": True}
 
 
 def _route(body: dict[str, Any]) -> str:
@@ -70,7 +71,7 @@ async def _answer(stack: Stack, body: dict[str, Any], stream: bool) -> tuple[str
 async def test_a_consumer_failing_mid_answer_is_continued_byte_for_byte(
     make_stack: StackFactory, body: dict[str, Any], kind: str, stream: bool
 ) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation=ON) as stack:
         expected = await _answer(stack, body, stream)
         # An idle fleet places on d0 first (equal loads, list order); d1 takes the rest.
         arm(stack.engine("d0"), phase="decode", times=1, **FAULTS[kind])
@@ -87,7 +88,7 @@ async def test_a_consumer_failing_mid_answer_is_continued_byte_for_byte(
 
 
 async def test_the_stream_has_one_id_one_finish_and_one_done(make_stack: StackFactory) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation=ON) as stack:
         arm(stack.engine("d0"), phase="decode", times=1, close_after=5)
         body = {**GREEDY_COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
         async with stack.http.post(
@@ -118,7 +119,7 @@ async def test_the_stream_has_one_id_one_finish_and_one_done(make_stack: StackFa
 
 
 async def test_ids_the_client_asked_for_are_kept_and_continue(make_stack: StackFactory) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation=ON) as stack:
         body = {**GREEDY_COMPLETION, "stream": True, "return_token_ids": True}
         status, clean = await stack.post("/v1/completions", body)
         arm(stack.engine("d0"), phase="decode", times=1, close_after=5)
@@ -136,7 +137,7 @@ async def test_ids_the_client_asked_for_are_kept_and_continue(make_stack: StackF
 
 
 async def test_an_ineligible_request_ends_as_before(make_stack: StackFactory) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation=ON) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=5)
         body = {**GREEDY_COMPLETION, "stream": True, "stop": ["zzz"]}
@@ -151,7 +152,9 @@ async def test_an_ineligible_request_ends_as_before(make_stack: StackFactory) ->
 
 
 async def test_max_attempts_bounds_continuations(make_stack: StackFactory) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={"max_attempts": 1}) as stack:
+    async with make_stack(
+        TWO_CONSUMERS, engine=ENGINE, continuation={**ON, "max_attempts": 1}
+    ) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=2, close_after=3)
         status, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
@@ -162,7 +165,7 @@ async def test_max_attempts_bounds_continuations(make_stack: StackFactory) -> No
 
 
 async def test_the_budget_bounds_continuations_router_wide(make_stack: StackFactory) -> None:
-    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={"budget": 0}) as stack:
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation={**ON, "budget": 0}) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=3)
         _, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
@@ -172,7 +175,7 @@ async def test_the_budget_bounds_continuations_router_wide(make_stack: StackFact
 
 async def test_tracked_tokens_are_bounded(make_stack: StackFactory) -> None:
     async with make_stack(
-        TWO_CONSUMERS, engine=ENGINE, continuation={"max_tracked_tokens": 4}
+        TWO_CONSUMERS, engine=ENGINE, continuation={**ON, "max_tracked_tokens": 4}
     ) as stack:
         for name in ("d0", "d1"):
             arm(stack.engine(name), phase="decode", times=1, close_after=6)

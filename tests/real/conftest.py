@@ -65,6 +65,8 @@ async def real() -> AsyncIterator[RealStack]:
                 # A prefill that waited past the handoff bound is tried afresh, as a fleet
                 # on a shared CPU needs: the router's retry, not the test's.
                 "serving": {"max_attempts": 2},
+                # d1 lets an answer whose consumer dies go on (tests/real/test_continuation.py).
+                "continuation": {"enabled": True},
                 "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
             },
             source="tests/real",

@@ -51,6 +51,7 @@ ROUTER: dict[str, Any] = {
         "health_timeout_s": 0.5,
         "kv_lease_s": 30.0,
     },
+    "continuation": {"enabled": True},
     "serving": {
         "request_timeout_s": 4.0,
         "max_attempts": 2,
