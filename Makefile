@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser bench-sim bench bench-setup vllm-env tiny-model real record-vllm
+.PHONY: run test lint check-types unit browser terminal bench-sim bench bench-setup vllm-env tiny-model real record-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,7 @@ lint: $(STAMP)
 check-types: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP) browser
+unit: $(STAMP) browser terminal
 	$(PY) -m pytest
 
 # The fleet page is tested in Debian's chromium; install it where apt can (CI runs as root).
@@ -32,6 +32,14 @@ browser:
 		apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	} || echo "chromium could not be installed: the fleet page tests will be skipped"
+
+# `narwhal top` is tested in a real terminal, tmux; installed the same way.
+terminal:
+	@command -v tmux >/dev/null 2>&1 || { \
+		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; \
+	} || echo "tmux could not be installed: the narwhal top terminal tests will be skipped"
 
 test: lint check-types unit real
 

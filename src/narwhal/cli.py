@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -72,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
     chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
     chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
+
+    top = sub.add_parser("top", help="a live terminal view of a running router")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    top.add_argument(
+        "--admin-key",
+        default=os.environ.get("NARWHAL_ADMIN_KEY"),
+        help="admin key, when the router has server.admin_api_keys (or NARWHAL_ADMIN_KEY)",
+    )
+    top.add_argument("--interval", type=_span, default=1.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
 
     sim = sub.add_parser("sim", help="run one simulated vLLM engine")
     add_sim_arguments(sim)
@@ -172,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         from narwhal.reload import reload_command
 
         sys.exit(runtime.run(reload_command(args.config, args.url)))
+    if args.command == "top":
+        from narwhal.top_terminal import run_top
+
+        sys.exit(runtime.run(run_top(args.url, args.admin_key, args.interval, args.once)))
     if args.command == "check":
         from narwhal.preflight import check_command
 

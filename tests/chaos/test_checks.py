@@ -8,8 +8,12 @@ import pytest
 
 from narwhal.chaos.checks import (
     READMIT_GRACE_S,
+    AbandonedTotals,
+    abandoned_problems,
+    add_journal_abandoned,
     check_leaks,
     check_service,
+    metrics_abandoned,
     no_engine_problems,
     status_allowed,
     unavailable_reason,
@@ -161,3 +165,46 @@ def test_other_503s_are_not_judged_by_engine_downtime() -> None:
     downtime = decode_downtime()
     assert no_engine_problems(unavailable("no seat became free within 1 s"), downtime) == []
     assert no_engine_problems(unavailable(NO_DECODE, 429), downtime) == []
+
+
+def test_abandoned_handoffs_in_the_journal_must_match_the_metrics() -> None:
+    journal: dict[str, AbandonedTotals] = {}
+    lines: list[dict[str, Any]] = [
+        {
+            "abandoned_handoffs": {
+                "handoffs": [{"producer": "p0", "blocks": 3, "block_seconds": 0.1}]
+            }
+        },
+        {
+            "abandoned_handoffs": {
+                "handoffs": [{"producer": "p0", "blocks": 1, "block_seconds": 0.2}]
+            }
+        },
+        {"abandoned_handoffs": {"count": 0, "handoffs": []}},
+        {},  # a line from before the field existed
+    ]
+    for line in lines:
+        add_journal_abandoned(line, journal)
+    exposition = "\n".join(
+        [
+            "# TYPE narwhal_engine_abandoned_handoffs counter",
+            'narwhal_engine_abandoned_handoffs_total{engine="p0"} 2.0',
+            'narwhal_engine_abandoned_handoffs_total{engine="p1"} 0.0',
+            "# TYPE narwhal_engine_abandoned_blocks counter",
+            'narwhal_engine_abandoned_blocks_total{engine="p0"} 4.0',
+            'narwhal_engine_abandoned_blocks_total{engine="p1"} 0.0',
+            "# TYPE narwhal_engine_abandoned_block_seconds counter",
+            'narwhal_engine_abandoned_block_seconds_total{engine="p0"} 0.30000000000000004',
+            'narwhal_engine_abandoned_block_seconds_total{engine="p1"} 0.0',
+            "",
+        ]
+    )
+    metrics = metrics_abandoned(exposition)
+    assert metrics["p0"] == AbandonedTotals(2, 4, 0.30000000000000004)
+    assert abandoned_problems(journal, metrics) == []
+    journal["p1"] = AbandonedTotals(1, 2, 5.0)
+    (problem,) = abandoned_problems(journal, metrics)
+    assert problem.startswith("producer p1: the journal has 1 abandoned handoffs, 2 blocks")
+    del journal["p1"]
+    metrics["p0"].blocks = 5
+    assert len(abandoned_problems(journal, metrics)) == 1

@@ -195,9 +195,11 @@ class FakeStack:
 
 @asynccontextmanager
 async def fake_stack(
-    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 0.8
+    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 2.0
 ) -> AsyncIterator[FakeStack]:
-    """Router → fake producer p0 and fake consumer d0, with short engine timeouts."""
+    """Router → fake producer p0 and fake consumer d0, with short engine timeouts; the
+    deadline stays well above the first-token timeout, so that a busy machine cannot turn
+    one into the other."""
     producer, consumer = FakeEngine(prefill), FakeEngine(decode)
     await producer.start()
     await consumer.start()

@@ -120,6 +120,24 @@ async def test_the_page_shows_a_fleet_serving_degraded_by_fallback_not_down(
         await expect(card.locator('[data-field="state"]')).to_have_text("ejected")
 
 
+async def test_the_page_shows_a_producers_abandoned_handoffs(
+    make_stack: StackFactory, browser: Browser
+) -> None:
+    async with make_stack() as stack:
+        page = await open_page(browser, stack, "/", 1280, 800)
+        card = page.locator('[data-engine="p0"]')
+        await expect(card.locator('[data-field="abandoned"]')).to_have_count(0)
+        # The consumer refuses the decode: p0 holds the prefill's blocks for nobody.
+        arm(stack.engine("d0"), phase="decode", status=503, times=1)
+        assert (await stack.post("/v1/completions", COMPLETION))[0] == 502
+        held = stack.engine("p0").held_block_count()
+        assert held > 0
+        await expect(card.locator('[data-field="abandoned"]')).to_have_text(
+            f"abandoned handoffs 1 · {held} blocks · {held} pinned now", timeout=LIVE_MS
+        )
+        await expect(page.locator('[data-engine="d0"] [data-field="abandoned"]')).to_have_count(0)
+
+
 async def test_the_page_fits_a_phone_screen(make_stack: StackFactory, browser: Browser) -> None:
     async with make_stack(FOUR) as stack:
         page = await open_page(browser, stack, "/narwhal/", 390, 844)

@@ -4,12 +4,13 @@ another) answers exactly what one engine alone answers, greedy, streamed or not.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from real_support import MODEL, RealStack, counter
+from real_support import FIGURES, MODEL, RealStack, counter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -73,21 +74,43 @@ async def chat_parts(client: AsyncOpenAI, question: str, stream: bool) -> tuple[
     return "".join(reasoning), "".join(content)
 
 
+async def crossed_once(
+    real: RealStack, prompt: str, stream: bool
+) -> tuple[str, dict[str, Any], float]:
+    """A routed completion that crossed in one attempt: its text, journal line and the
+    consumer's pulled prompt tokens before it.
+
+    vLLM 0.32 on the CPU now and then answers a prefill only when that prefill's KV lease
+    ends (seen after a handoff was left unpulled); the router then rightly refuses the stale
+    descriptor and serves the request by fallback, which proves nothing about a handoff.
+    Such a request is asked again, at most twice, and counted in the session's figures.
+    """
+    for _ in range(3):
+        pulled = await counter(
+            real.consumer, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        request_id = f"handoff-{uuid.uuid4().hex}"
+        routed = await completion_text(real.openai(), prompt, stream, request_id)
+        entry = await real.journal_entry(request_id)
+        if (entry["handoff"], entry["attempts"]) == ("crossed", 1):
+            return routed, entry, pulled
+        causes = [failure["cause"] for failure in entry["failures"]]
+        assert causes == ["handoff_expired"], entry
+        FIGURES["prefills answered only at their lease's end"] = str(
+            int(FIGURES.get("prefills answered only at their lease's end", "0")) + 1
+        )
+    raise AssertionError("no request crossed in three tries")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("prompt", ["The sea is", LONG_PROMPT], ids=["short", "long"])
 async def test_completion_through_the_router_equals_one_engine_alone(
     real: RealStack, prompt: str, stream: bool
 ) -> None:
-    pulled = await counter(
-        real.consumer, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
-    request_id = f"handoff-{uuid.uuid4().hex}"
-    routed = await completion_text(real.openai(), prompt, stream, request_id)
+    routed, _, pulled = await crossed_once(real, prompt, stream)
     alone = await completion_text(real.direct(real.producer), prompt, stream=False)
     assert routed == alone
     assert routed.strip(), "the tiny model answers with words from its corpus"
-    entry = await real.journal_entry(request_id)
-    assert (entry["handoff"], entry["attempts"]) == ("crossed", 1), entry["failures"]
     after = await counter(
         real.consumer, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )

@@ -5,8 +5,12 @@ Pure functions: each takes what was observed and returns the problems found, as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.load import Sent
@@ -153,3 +157,63 @@ def no_engine_problems(line: Mapping[str, Any], downtime: Downtime) -> list[str]
         f"{line['duration_s']:.2f} s found every {phase} engine down"
         + (f" ({', '.join(up)} accepted connections throughout)" if up else "")
     ]
+
+
+@dataclass(slots=True)
+class AbandonedTotals:
+    """One producer's abandoned handoffs, as the journal or the router's metrics count them."""
+
+    handoffs: int = 0
+    blocks: int = 0
+    block_seconds: float = 0.0
+
+
+def add_journal_abandoned(line: Mapping[str, Any], totals: dict[str, AbandonedTotals]) -> None:
+    """Add a request line's abandoned handoffs to the per-producer totals."""
+    field = line.get("abandoned_handoffs") or {}
+    for handoff in field.get("handoffs", ()):
+        entry = totals.setdefault(handoff["producer"], AbandonedTotals())
+        entry.handoffs += 1
+        entry.blocks += handoff["blocks"]
+        entry.block_seconds += handoff["block_seconds"]
+
+
+_METRIC_FIELDS = {
+    "narwhal_engine_abandoned_handoffs_total": "handoffs",
+    "narwhal_engine_abandoned_blocks_total": "blocks",
+    "narwhal_engine_abandoned_block_seconds_total": "block_seconds",
+}
+
+
+def metrics_abandoned(exposition: str) -> dict[str, AbandonedTotals]:
+    """The router's abandoned-handoff counters per producer, from its `/metrics` text."""
+    totals: dict[str, AbandonedTotals] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            name = _METRIC_FIELDS.get(sample.name)
+            if name is None:
+                continue
+            entry = totals.setdefault(sample.labels["engine"], AbandonedTotals())
+            value = sample.value if name == "block_seconds" else int(sample.value)
+            setattr(entry, name, value)
+    return totals
+
+
+def abandoned_problems(
+    journal: Mapping[str, AbandonedTotals], metrics: Mapping[str, AbandonedTotals]
+) -> list[str]:
+    """Every abandoned handoff on a journal line is in the router's counters, and no other:
+    per producer, the same handoffs and blocks, and block-seconds up to rounding."""
+    problems = []
+    for producer in sorted({*journal, *metrics}):
+        said = journal.get(producer, AbandonedTotals())
+        counted = metrics.get(producer, AbandonedTotals())
+        if (said.handoffs, said.blocks) != (counted.handoffs, counted.blocks) or not math.isclose(
+            said.block_seconds, counted.block_seconds, rel_tol=1e-9, abs_tol=1e-6
+        ):
+            problems.append(
+                f"producer {producer}: the journal has {said.handoffs} abandoned handoffs, "
+                f"{said.blocks} blocks, {said.block_seconds:.3f} block-seconds; the metrics "
+                f"{counted.handoffs}, {counted.blocks}, {counted.block_seconds:.3f}"
+            )
+    return problems

@@ -6,7 +6,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from narwhal.chaos.checks import check_leaks, check_service
+from narwhal.chaos.checks import (
+    AbandonedTotals,
+    abandoned_problems,
+    check_leaks,
+    check_service,
+)
 from narwhal.chaos.memory import Trend
 from narwhal.chaos.options import ChaosOptions
 from narwhal.chaos.tally import Problems, Tally
@@ -23,6 +28,8 @@ class Report:
     state: dict[str, Any] = field(default_factory=dict)
     trend: Trend | None = None
     unhandled: Problems = field(default_factory=Problems)
+    # The router's abandoned-handoff counters per producer, read once the load was over.
+    abandoned: dict[str, AbandonedTotals] | None = None
 
     @property
     def checks(self) -> dict[str, Problems]:
@@ -39,6 +46,11 @@ class Report:
             continued.add(
                 [f"only {tally.continued_ok} of {tried} answers cut mid-way ended complete"]
             )
+        abandoned = Problems()
+        if self.abandoned is None:
+            abandoned.add(["the router's metrics were never read"])
+        else:
+            abandoned.add(abandoned_problems(self.tally.abandoned, self.abandoned))
         return {
             "one outcome per request": self.tally.once,
             "statuses follow the rules": self.tally.rules,
@@ -48,6 +60,7 @@ class Report:
             "answers cut mid-way continued (at least 99 %)": continued,
             "nothing left in flight": leaks,
             "every engine back in service": service,
+            "abandoned handoffs in the journal match the metrics": abandoned,
             "memory stable": memory,
             "no unhandled exception": self.unhandled,
         }
@@ -81,6 +94,13 @@ def format_report(report: Report) -> str:
     out.append(
         f"continuation: {tally.continued_ok} answers cut mid-way ended complete, "
         f"{tally.continued_failed} did not"
+    )
+    abandoned = tally.abandoned
+    out.append(
+        f"abandoned handoffs: {sum(a.handoffs for a in abandoned.values())} "
+        f"({sum(a.blocks for a in abandoned.values())} blocks, "
+        f"{sum(a.block_seconds for a in abandoned.values()):.1f} block-seconds)"
+        + "".join(f", {p} {a.handoffs}" for p, a in sorted(abandoned.items()))
     )
     state = report.state
     seats = sum(

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from narwhal.chaos.checks import check_leaks, check_service
+from narwhal.chaos.checks import check_leaks, check_service, metrics_abandoned
 from narwhal.chaos.downtime import Downtime
 from narwhal.chaos.faults import Outages, inject
 from narwhal.chaos.load import MODEL, Load
@@ -198,6 +198,7 @@ async def _run(
         await outages.end()
         report.unhandled.add(outages.errors)
         report.state = await _settled(server.url)
+        report.abandoned = metrics_abandoned(await _metrics(server.url))
         report.trend = memory_trend(samples)
     finally:
         try:
@@ -237,6 +238,11 @@ async def _settled(url: str) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.05)
     return state
+
+
+async def _metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
+        return await response.text()
 
 
 async def chaos_command(options: ChaosOptions) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 
 from narwhal.chaos.checks import (
     CLIENT_CLOSED,
+    AbandonedTotals,
+    add_journal_abandoned,
     line_problems,
     no_engine_problems,
     text_problems,
@@ -60,6 +62,8 @@ class Tally:
         # Answers whose consumer failed after output began and that the router tried to
         # continue: those that ended as complete 200 answers, and the rest.
         self.continued_ok = self.continued_failed = 0
+        # Abandoned handoffs per producer, summed over the journal's lines.
+        self.abandoned: dict[str, AbandonedTotals] = {}
 
     def id_of(self, sent: Sent) -> str:
         return f"{self._prefix}{sent.index}"
@@ -88,6 +92,7 @@ class Tally:
                 self.continued_ok += 1
             else:
                 self.continued_failed += 1
+        add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
             self.unavailable[line["status"], reason] += 1

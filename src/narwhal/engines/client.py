@@ -18,7 +18,7 @@ from typing import Any, Self
 import aiohttp
 import orjson
 
-from narwhal.engines.connector import NIXL_CONNECTOR, PrefillResult
+from narwhal.engines.connector import NIXL_CONNECTOR, Delivery, PrefillResult
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.handoff import checked_descriptor
 from narwhal.engines.hosts import HostResolver
@@ -123,14 +123,20 @@ class EngineClient:
         return self._session
 
     async def _post(
-        self, url: str, endpoint: str, body: bytes, request_id: str, trace: bytes
+        self,
+        url: str,
+        endpoint: str,
+        body: bytes,
+        request_id: str,
+        trace: bytes,
+        on_sent: Callable[[], None] | None = None,
     ) -> Connection:
         """Send one leg's POST; returns the connection once the answer's head is in."""
         if self._pool is None:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         origin = self._pool.origin(url)
         data = request_bytes(endpoint, origin, self._headers, request_id, body, trace)
-        return await self._pool.send(origin, data)
+        return await self._pool.send(origin, data, on_sent)
 
     # Leg 1 ---------------------------------------------------------------------------
 
@@ -208,15 +214,24 @@ class EngineClient:
         engine: str | None = None,
         connector: str = NIXL_CONNECTOR,
         drop_usage: bool = False,
+        delivery: Delivery | None = None,
     ) -> DecodeStream:
         """Validate the handoff, send the decode and wait for its first generated token.
 
         The first-token budget starts before the request is sent, so connect and header
         delays spend it too. On return the stream has output; nothing has been relayed.
+        `delivery` learns whether the descriptor reached the consumer, on every path.
         """
         descriptor = await self.handoff_descriptor(consumer_url, endpoint, result, connector)
         return await self.send_decode(
-            consumer_url, endpoint, body, result, descriptor, engine=engine, drop_usage=drop_usage
+            consumer_url,
+            endpoint,
+            body,
+            result,
+            descriptor,
+            engine=engine,
+            drop_usage=drop_usage,
+            delivery=delivery,
         )
 
     async def send_decode(
@@ -230,10 +245,12 @@ class EngineClient:
         engine: str | None = None,
         drop_usage: bool = False,
         trace: bytes = b"",
+        delivery: Delivery | None = None,
     ) -> DecodeStream:
         """`open_decode` after the handoff check: `descriptor` is what `handoff_descriptor` gave.
 
-        `trace` is the leg's trace context, as header lines.
+        `trace` is the leg's trace context, as header lines; `delivery` learns whether the
+        descriptor reached the consumer, on every path.
         """
         name = engine or consumer_url
         data = decode_body(body, descriptor)
@@ -245,9 +262,16 @@ class EngineClient:
         try:
             async with asyncio.timeout(self.first_token_timeout_s):
                 connection = await self._post(
-                    consumer_url, endpoint, data, result.request_id, trace
+                    consumer_url,
+                    endpoint,
+                    data,
+                    result.request_id,
+                    trace,
+                    None if delivery is None else delivery.sent,
                 )
                 if connection.status != 200:
+                    if delivery is not None:
+                        delivery.refused = True
                     raise await _status_error(connection, name, "decode")
                 while True:
                     chunk = await connection.read()

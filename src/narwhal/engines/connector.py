@@ -40,3 +40,24 @@ class PrefillResult:
 
     def age(self, now: float) -> float:
         return now - self.started_at
+
+
+@dataclass(slots=True)
+class Delivery:
+    """Whether a decode carried its descriptor to the consumer.
+
+    `written` once the request's bytes went out; `refused` when the consumer answered
+    something other than 200, which vLLM does before the request reaches its engine. A
+    descriptor written and not refused may have been pulled, whatever happens next; one
+    never written, or refused, leaves the producer's blocks held.
+    """
+
+    written: bool = False
+    refused: bool = False
+
+    def sent(self) -> None:
+        self.written = True
+
+    @property
+    def delivered(self) -> bool:
+        return self.written and not self.refused

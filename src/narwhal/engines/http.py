@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -227,15 +228,20 @@ class ConnectionPool:
             origin = self._origins[url] = Origin.of(url)
         return origin
 
-    async def send(self, origin: Origin, data: bytes) -> Connection:
+    async def send(
+        self, origin: Origin, data: bytes, on_sent: Callable[[], None] | None = None
+    ) -> Connection:
         """Send one request on a pooled or new connection and wait for the response head.
 
         A reused connection that the engine had already closed fails before any byte of
         answer; that request never reached it, so it is sent once more on a new one.
+        `on_sent` is told once the request's bytes are handed to a connection.
         """
         connection = self._take(origin)
         if connection is not None:
             connection.send(data)
+            if on_sent is not None:
+                on_sent()
             try:
                 await connection.head()
                 return connection
@@ -245,6 +251,8 @@ class ConnectionPool:
                     raise
         connection = await self._connect(origin)
         connection.send(data)
+        if on_sent is not None:
+            on_sent()
         try:
             await connection.head()
         except BaseException:

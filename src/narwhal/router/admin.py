@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.abandoned import AbandonedHandoffs
 from narwhal.router.fleet import Engine
 from narwhal.router.operations import FleetOperations, OperationError
 from narwhal.router.state import engine_entry
@@ -32,7 +33,13 @@ from narwhal.router.state import engine_entry
 Action = Callable[[web.Request], Awaitable[Any]]
 
 
-def add_admin_routes(app: web.Application, operations: FleetOperations) -> None:
+def add_admin_routes(
+    app: web.Application, operations: FleetOperations, abandoned: AbandonedHandoffs
+) -> None:
+    def _show(engine: Engine) -> dict[str, Any]:
+        now = asyncio.get_running_loop().time()
+        return {"engine": engine_entry(engine, now, abandoned)}
+
     async def add(request: web.Request) -> Any:
         return _show(operations.add(await _body(request)))
 
@@ -85,10 +92,6 @@ def _answer(
 
 def _json(body: Any, status: int) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
-def _show(engine: Engine) -> dict[str, Any]:
-    return {"engine": engine_entry(engine, asyncio.get_running_loop().time())}
 
 
 def _force(request: web.Request) -> bool:

@@ -131,7 +131,7 @@ def build_app(router: Router, secrets: Secrets) -> web.Application:
     app.router.add_get("/narwhal/state", state)
     app.router.add_get("/metrics", metrics)
     add_page_routes(app)
-    add_admin_routes(app, router.operations)
+    add_admin_routes(app, router.operations, router.abandoned)
     app.cleanup_ctx.append(lifespan)
     return app
 

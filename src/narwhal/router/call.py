@@ -16,6 +16,7 @@ from aiohttp import web
 
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
+from narwhal.router.abandoned import Abandonment, journal_field
 
 if TYPE_CHECKING:
     # Only for its type: the tracing library is imported when tracing is on, not here.
@@ -70,6 +71,8 @@ class Call:
     # Every attempt's handoff kind, and every failure (failed attempts', then the final).
     handoffs: list[str] = field(default_factory=list)
     errors: list[NarwhalError] = field(default_factory=list)
+    # Descriptors dropped before reaching a consumer (their producers hold the blocks).
+    abandoned: list[Abandonment] = field(default_factory=list)
     # Seconds spent in each stage so far, summed over attempts; the current one began at
     # `stage_at`.
     spent: dict[Stage, float] = field(default_factory=dict)
@@ -169,6 +172,7 @@ class Call:
             "replayed_tokens": self.replayed_tokens,
             "interruption_s": self.interruption_s,
             "continuation_refused": self.continuation_refused,
+            "abandoned_handoffs": journal_field(self.abandoned),
             "failures": [
                 {"engine": e.engine, "cause": e.cause.value, "status": e.status}
                 for e in self.errors

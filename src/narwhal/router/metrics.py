@@ -326,8 +326,36 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
         "Failed legs counted against the engine, by cause.",
         labels=["engine", "cause"],
     )
+    abandoned = CounterMetricFamily(
+        "narwhal_engine_abandoned_handoffs",
+        "Descriptors from this producer the router dropped before any consumer got them "
+        "(client gone, handoff expired, decode refused): their blocks stay held until "
+        "the KV lease ends.",
+        labels=["engine"],
+    )
+    abandoned_blocks = CounterMetricFamily(
+        "narwhal_engine_abandoned_blocks",
+        "KV blocks named by abandoned handoffs' descriptors.",
+        labels=["engine"],
+    )
+    block_seconds = CounterMetricFamily(
+        "narwhal_engine_abandoned_block_seconds",
+        "Blocks of abandoned handoffs times the lease each had left when dropped.",
+        labels=["engine"],
+    )
+    pinned = GaugeMetricFamily(
+        "narwhal_engine_abandoned_pinned_blocks",
+        "Blocks of abandoned handoffs still within their KV lease (the router's estimate).",
+        labels=["engine"],
+    )
     for engine in engines:
         name = engine.id
+        if engine.serves(Phase.PREFILL):
+            tally = router.abandoned.tally(name)
+            abandoned.add_metric([name], tally.handoffs)
+            abandoned_blocks.add_metric([name], tally.blocks)
+            block_seconds.add_metric([name], tally.block_seconds)
+            pinned.add_metric([name], tally.pinned(now))
         info.add_metric([name, engine.spec.role.value, engine.url], 1)
         current = engine.state(now)
         for member in EngineState:
@@ -360,3 +388,4 @@ def _engine_metrics(router: Router) -> Iterator[Metric]:
             failures.add_metric([name, cause], engine.failures.get(cause, 0))
     yield from (info, state, streak, ejections, quarantines, spares, panics, probes)
     yield from (seats, limits, failures, crossed, prompt_tokens, silent, reported)
+    yield from (abandoned, abandoned_blocks, block_seconds, pinned)

@@ -21,10 +21,11 @@ from aiohttp import web
 
 from narwhal.config import Config
 from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads, new_request_id
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.protocol.tracecontext import passthrough
+from narwhal.router.abandoned import AbandonedHandoffs, abandonment
 from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
@@ -113,6 +114,7 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._shutdown_cancelled: set[asyncio.Task[Any]] = set()
         self.recent = RecentCalls()
+        self.abandoned = AbandonedHandoffs()
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
         self.call_hooks: list[CallHook] = [
@@ -344,7 +346,6 @@ class Router:
             result = PrefillResult(
                 consumer.url, endpoint, backend_id, None, loop.time(), same_worker=True
             )
-            call.handoff = "fallback"
         else:
             call.enter(Stage.PREFILL)
             result = await self.client.prefill(
@@ -361,9 +362,36 @@ class Router:
             if not rescue:
                 call.ttft_s = time.perf_counter() - call.arrival
                 call.prompt_tokens = result.prompt_tokens
-            call.enter(Stage.HANDOFF)
-            call.handoff = self._handoff_kind(reservation, result, loop.time())
+        delivery = Delivery()
+        try:
+            return await self._hand_over(
+                call, client_request, reservation, result, delivery, rescue=rescue
+            )
+        except BaseException:
+            if not delivery.delivered:
+                self._abandon(call, result)
+            raise
 
+    async def _hand_over(
+        self,
+        call: Call,
+        client_request: ClientRequest,
+        reservation: Reservation,
+        result: PrefillResult,
+        delivery: Delivery,
+        *,
+        rescue: bool,
+    ) -> DecodeStream:
+        """From the prefill's answer to the decode's first token; `delivery` says whether
+        the descriptor reached the consumer, whatever happens."""
+        endpoint = client_request.endpoint
+        producer, consumer = reservation.producer, reservation.consumer
+        if reservation.fallback:
+            call.handoff = "fallback"
+        else:
+            call.enter(Stage.HANDOFF)
+            now = asyncio.get_running_loop().time()
+            call.handoff = self._handoff_kind(reservation, result, now)
         call.handoffs.append(call.handoff)
         try:
             descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
@@ -377,6 +405,7 @@ class Router:
                 engine=consumer.id,
                 drop_usage=not client_request.include_usage,
                 trace=call.leg_headers(),
+                delivery=delivery,
             )
         except NarwhalError as error:
             if error.engine != producer.id:
@@ -391,6 +420,20 @@ class Router:
         if reservation.fallback:
             call.ttft_s = call.first_byte_s
         return stream
+
+    def _abandon(self, call: Call, result: PrefillResult) -> None:
+        """A descriptor dropped before reaching a consumer: nobody will pull its blocks,
+        which its producer holds until the KV lease ends (a null descriptor holds none)."""
+        lost = abandonment(
+            result.producer,
+            result.descriptor,
+            result.started_at,
+            asyncio.get_running_loop().time(),
+            self.config.engine.kv_lease_s,
+        )
+        if lost is not None:
+            self.abandoned.record(lost)
+            call.abandoned.append(lost)
 
     def _prefill_succeeded(self, reservation: Reservation) -> None:
         """The producer's leg counts as a success once its descriptor passed validation

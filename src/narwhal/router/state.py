@@ -7,7 +7,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE
-from narwhal.router.fleet import Engine
+from narwhal.router.abandoned import AbandonedHandoffs
+from narwhal.router.fleet import Engine, Phase
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -44,11 +45,13 @@ def snapshot(router: Router) -> dict[str, Any]:
             "size": router.continuation_budget.initial,
         },
         "recent": router.recent.summary(time.perf_counter()),
-        "engines": [engine_entry(engine, now) for engine in router.fleet.engines],
+        "engines": [engine_entry(engine, now, router.abandoned) for engine in router.fleet.engines],
     }
 
 
-def engine_entry(engine: Engine, now: float) -> dict[str, Any]:
+def engine_entry(
+    engine: Engine, now: float, abandoned: AbandonedHandoffs | None = None
+) -> dict[str, Any]:
     """One engine as `/narwhal/state` and the admin API show it."""
     return {
         "id": engine.id,
@@ -80,6 +83,12 @@ def engine_entry(engine: Engine, now: float) -> dict[str, Any]:
         "failures": dict(engine.failures),
         "reported": _reported(engine),
         "kv": _kv_use(engine),
+        # Producers only: handoffs dropped undelivered, and blocks still pinned.
+        "abandoned": (
+            abandoned.summary(engine.id, now)
+            if abandoned is not None and engine.serves(Phase.PREFILL)
+            else None
+        ),
     }
 
 

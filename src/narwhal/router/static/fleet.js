@@ -109,6 +109,18 @@ function kvFact(kv) {
   );
 }
 
+// A producer's handoffs dropped before any consumer got them, and the blocks they still pin
+// (held until the engine's KV lease ends).
+function abandonedFact(abandoned) {
+  if (!abandoned || !abandoned.handoffs) return null;
+  return el(
+    "span",
+    { "data-field": "abandoned", class: abandoned.pinned_blocks ? "recent-failure" : "" },
+    `abandoned handoffs ${abandoned.handoffs} · ${abandoned.blocks} blocks · ` +
+      `${abandoned.pinned_blocks} pinned now`,
+  );
+}
+
 function engineCard(engine, before) {
   const failures = Object.entries(engine.failures).filter(([, n]) => n > 0);
   const earlier = (before && before.failures[engine.id]) || {};
@@ -144,6 +156,7 @@ function engineCard(engine, before) {
       kvFact(engine.kv),
       engine.pinned ? el("span", { "data-field": "pinned" }, "pinned") : null,
       engine.removing ? el("span", { "data-field": "removing" }, "leaving: not in the config file") : null,
+      abandonedFact(engine.abandoned),
       Object.keys(probes).length
         ? el("span", {}, `probes ${Object.entries(probes).map(([k, n]) => `${k} ${n}`).join(", ")}`)
         : null,

@@ -1,0 +1,126 @@
+"""`narwhal top`'s frame: the router's state as lines that fit the terminal."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from narwhal.top import failures_of, render, status_word
+
+
+def engine(name: str, role: str, **changes: Any) -> dict[str, Any]:
+    return {
+        "id": name,
+        "url": f"http://{name}:8000",
+        "role": role,
+        "state": "admitted",
+        "quarantined_for_s": 0.0,
+        "ejection_reason": None,
+        "seats": {"prefill": {"in_use": 2, "limit": 64}, "decode": {"in_use": 5, "limit": 0}},
+        "failures": {},
+        "reported": {"running": 3.0, "waiting": 1.0, "kv_cache_usage": 0.25},
+        "abandoned": (
+            {"handoffs": 4, "blocks": 40, "block_seconds": 900.5, "pinned_blocks": 10}
+            if role != "decode"
+            else None
+        ),
+        **changes,
+    }
+
+
+STATE: dict[str, Any] = {
+    "model": "whale-7b",
+    "in_flight": 7,
+    "queued": 1,
+    "queue_capacity": 1024,
+    "open_engine_legs": 6,
+    "degraded": False,
+    "can_serve": True,
+    "retry_budget": {"credit": 9.5, "size": 10, "spent": 3, "denied": 0},
+    "recent": {
+        "window_s": 300.0,
+        "requests": 42,
+        "rate_per_s": 0.7,
+        "outcomes": {"ok": 40, "error": 2},
+        "handoffs": {"crossed": 41, "recomputed": 1},
+        "ttft_s": {"p50": 0.012, "p90": 0.2, "p99": 1.5},
+        "first_byte_s": None,
+        "series": [],
+    },
+    "engines": [engine("p0", "prefill"), engine("d0", "decode")],
+}
+
+
+def test_a_frame_shows_the_router_requests_and_engines() -> None:
+    lines = render(STATE, 120, url="http://router:8000", clock="12:00:00")
+    text = "\n".join(lines)
+    assert lines[0] == "narwhal top · http://router:8000 · model whale-7b · serving · 12:00:00"
+    assert "in flight 7 · queued 1/1024 · engine legs 6 · retry credit 9/10" in text
+    assert "requests (last 5 min): 42 · 0.70/s · ok 40 · error 2" in text
+    assert "handoffs: crossed 41 · recomputed 1" in text
+    assert "  ttft          12 ms   200 ms   1.50 s" in text
+    assert "  first byte        -        -        -" in text
+    header = next(line for line in lines if line.startswith("ENGINE"))
+    assert header.split() == [
+        "ENGINE", "ROLE", "STATE", "PREFILL", "DECODE", "RUN", "WAIT", "KV", "ABANDONED", "PINNED"
+    ]  # fmt: skip
+    p0 = next(line for line in lines if line.startswith("p0 "))
+    assert p0.split() == ["p0", "prefill", "admitted", "2/64", "-", "3", "1", "25%", "4", "10"]
+    d0 = next(line for line in lines if line.startswith("d0 "))
+    # An unlimited seat count shows its limit as "-"; a consumer abandons nothing.
+    assert d0.split() == ["d0", "decode", "admitted", "-", "5/-", "3", "1", "25%", "-", "-"]
+    assert lines[-3:] == ["  none", "", "q quits"]
+
+
+@pytest.mark.parametrize("width", [20, 40, 79, 160])
+def test_every_line_fits_the_width(width: int) -> None:
+    for line in render(STATE, width, url="http://a-very-long-router-host-name:8000"):
+        assert len(line) <= width, line
+
+
+def test_a_cut_line_ends_in_an_ellipsis() -> None:
+    assert render(STATE, 20)[0] == "narwhal top · model…"
+
+
+def test_failures_that_grew_since_the_window_began_are_recent() -> None:
+    before = failures_of(STATE)
+    now = copy.deepcopy(STATE)
+    now["engines"][1]["failures"] = {"http_status": 3, "connect": 1}
+    lines = render(now, 120, before={"d0": {"http_status": 1}})
+    start = lines.index("recent failures")
+    assert lines[start + 1] == "  d0: connect +1 (1), http_status +2 (3)"
+    # Counts that did not move are not news.
+    assert render(now, 120, before=failures_of(now))[start + 1] == "  none"
+    assert before == {"p0": {}, "d0": {}}
+
+
+def test_an_engine_out_shows_why_and_the_fleet_is_degraded() -> None:
+    state = copy.deepcopy(STATE)
+    state["engines"][0].update(state="ejected", ejection_reason="3 failures;\x1b[2J cleared")
+    state["engines"][1].update(state="quarantined", quarantined_for_s=4.25)
+    lines = render(state, 120)
+    assert "degraded" in lines[0]
+    # The engine's text is shown, never its control characters.
+    assert "  p0 ejected: 3 failures; [2J cleared" in lines
+    assert "  d0 quarantined for another 4.2 s" in lines
+    assert status_word({**state, "can_serve": False}) == "down"
+
+
+def test_an_unreachable_router_is_said_so_over_its_last_state() -> None:
+    assert render(None, 80, url="http://r:1", clock="t", error="refused", keys=False) == [
+        "narwhal top · http://r:1 · t",
+        "router unreachable: refused",
+    ]
+    lines = render(STATE, 80, error="timed out")
+    assert lines[1] == "router unreachable: timed out (showing its last state)"
+    assert any(line.startswith("p0 ") for line in lines)
+
+
+def test_a_router_without_reports_or_recent_requests_shows_dashes() -> None:
+    state = copy.deepcopy(STATE)
+    del state["recent"]
+    state["engines"][0]["reported"] = None
+    p0 = next(line for line in render(state, 120) if line.startswith("p0 "))
+    assert p0.split()[5:8] == ["-", "-", "-"]
