@@ -88,6 +88,12 @@ class Call:
     replayed_tokens: int = 0
     interruption_s: float = 0.0
     continuation_refused: str | None = None
+    # Its kind (`router.continuation`: answer, fleet, budget, off), and whether the
+    # consumer failed after output began at all (whether or not it was continued).
+    refused_kind: str | None = None
+    cut: bool = False
+    # Whether its decodes ask the engine for token ids (the request may be continued).
+    tracks_ids: bool = False
 
     def __post_init__(self) -> None:
         self.stage_at = self.arrival
@@ -172,6 +178,8 @@ class Call:
             "replayed_tokens": self.replayed_tokens,
             "interruption_s": self.interruption_s,
             "continuation_refused": self.continuation_refused,
+            "continuation_refused_kind": self.refused_kind,
+            "cut": self.cut,
             "abandoned_handoffs": journal_field(self.abandoned),
             "failures": [
                 {"engine": e.engine, "cause": e.cause.value, "status": e.status}

@@ -31,6 +31,10 @@ it was still reasoning (reasoning seen, no content yet) ends as before; this one
 decided at the cut, from what the stream showed, since the router cannot know the engines'
 parser before dispatch.
 
+What the client has been given so far is tracked by `router.progress`, at a cost per
+event of a reference kept (and a byte splice when the ids are not the client's); the ids
+are read only after a failure.
+
 The committed boundary: generated ids can run ahead of text (a token whose bytes end inside
 a UTF-8 character, text held by the detokenizer). The router keeps G as the ids up to the
 last event that carried text (or finished); ids after it, whose text the client never saw,
@@ -40,10 +44,11 @@ detokenization is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from narwhal.protocol.bodies import ClientRequest, Endpoint
+from narwhal.router.progress import Progress
 
 # Request members carried from the client's request into the replay: the per-token rules.
 _CARRIED = (
@@ -107,135 +112,28 @@ def ineligible(request: ClientRequest) -> str | None:
 
 
 def with_token_ids(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body asking the engine for token ids (the router tracks them)."""
+    """The client's body asking the engine for token ids, for a decode leg: the router
+    tracks them from the decode's events (a prefill's answer is not read for them)."""
     return body if body.get("return_token_ids") is True else {**body, "return_token_ids": True}
 
 
-@dataclass(slots=True)
-class Progress:
-    """What one answer has given the client so far: ids, where text is complete, its end.
-
-    `take` reads relayed engine bytes without parsing JSON: it finds the `token_ids` and
-    `prompt_token_ids` members by byte search and, unless the client asked for ids itself,
-    splices them to `null`, as the engine would have sent them unasked.
-    """
-
-    chat: bool
-    strip: bool
-    max_tracked: int
-    prompt_ids: list[int] | None = None
-    ids: list[int] = field(default_factory=list)
-    # ids[:committed] have had all their text delivered.
-    committed: int = 0
-    finished: bool = False
-    content_seen: bool = False
-    reasoning_seen: bool = False
-    # More ids than `max_tracked`: they are no longer kept, and the answer cannot continue.
-    overflow: bool = False
-    # The first event as sent, whose head (id, object, created, model) the rescue reuses.
-    first_event: bytes | None = None
-
-    def take(self, block: bytes) -> bytes:
-        """Record a block of whole events; return the bytes the client gets."""
-        if self.first_event is None:
-            self.first_event = block[: block.find(b"\n\n") + 2]
-        pieces: list[bytes] = []
-        start = 0
-        size = len(block)
-        while start < size:
-            end = block.find(b"\n\n", start)
-            end = size if end < 0 else end + 2
-            pieces.append(self._event(block, start, end))
-            start = end
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-    def _event(self, block: bytes, start: int, end: int) -> bytes:
-        # Spans of id lists to splice to null: the prompt's (once, first) and the event's.
-        spans: list[tuple[int, int]] = []
-        if self.prompt_ids is None:
-            at = block.find(b'"prompt_token_ids":[', start, end)
-            if at >= 0:
-                value = at + 19
-                close = block.find(b"]", value, end) + 1
-                self.prompt_ids = _ints(block[value + 1 : close - 1])
-                spans.append((value, close))
-        at = block.find(b'"token_ids":[', start, end)
-        if at >= 0:
-            value = at + 12
-            close = block.find(b"]", value, end) + 1
-            self._note(_ints(block[value + 1 : close - 1]))
-            self._note_text(block, start, end)
-            spans.append((value, close))
-        if not self.strip or not spans:
-            return block[start:end]
-        if len(spans) == 1:
-            value, close = spans[0]
-            return block[start:value] + b"null" + block[close:end]
-        spans.sort()
-        (v1, c1), (v2, c2) = spans
-        return block[start:v1] + b"null" + block[c1:v2] + b"null" + block[c2:end]
-
-    def _note(self, ids: list[int]) -> None:
-        if self.overflow:
-            return
-        self.ids.extend(ids)
-        if len(self.ids) > self.max_tracked:
-            self.overflow = True
-            self.ids = []
-
-    def _note_text(self, block: bytes, start: int, end: int) -> None:
-        if block.find(b'"finish_reason":null', start, end) < 0:
-            self.finished = True
-            self.committed = len(self.ids)
-            return
-        if self.chat:
-            content = _has_text(block, b'"content":"', start, end)
-            reasoning = _has_text(block, b'"reasoning":"', start, end) or _has_text(
-                block, b'"reasoning_content":"', start, end
-            )
-            self.content_seen = self.content_seen or content
-            self.reasoning_seen = self.reasoning_seen or reasoning
-            has_text = content or reasoning
-        else:
-            has_text = block.find(b'"text":""', start, end) < 0
-        if has_text:
-            self.committed = len(self.ids)
-
-    def note_payload(self, choice: dict[str, Any], text: str) -> None:
-        """Record a rescued event (already parsed): its ids, text and finish."""
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self._note([token for token in ids if type(token) is int])
-        if choice.get("finish_reason") is not None:
-            self.finished = True
-            self.committed = len(self.ids)
-        elif text:
-            self.committed = len(self.ids)
-            self.content_seen = True
-
-    @property
-    def generated(self) -> list[int]:
-        """G: the generated ids whose text the client has been given in full."""
-        return self.ids[: self.committed]
-
-
-def _ints(raw: bytes) -> list[int]:
-    return [int(part) for part in raw.split(b",")] if raw else []
-
-
-def _has_text(block: bytes, key: bytes, start: int, end: int) -> bool:
-    at = block.find(key, start, end)
-    return at >= 0 and block[at + len(key)] != 0x22
+# Why a cut answer was not continued, in kinds the journal records: the request or the
+# answer as it stands cannot be (`ANSWER`), no other consumer was to be had (`FLEET`), the
+# request's or the router's continuation budget was spent (`BUDGET`), or continuation is
+# off (`OFF`).
+ANSWER, FLEET, BUDGET, OFF = "answer", "fleet", "budget", "off"
 
 
 def refusal(request: ClientRequest, progress: Progress | None, max_tracked: int) -> str | None:
-    """Why an answer that failed now cannot be continued, or None when it can."""
+    """Why an answer that failed now cannot be continued (an `ANSWER` refusal), or None
+    when it can. `progress` must be settled."""
     if progress is None:
-        return "this request's features cannot be continued"
+        return ineligible(request) or "this request's features cannot be continued"
     if progress.overflow:
         return (
             f"the answer was longer than continuation.max_tracked_tokens ({max_tracked}) "
-            "tokens, past which the router keeps no token ids to replay"
+            "tokens (or continuation.max_tracked_bytes of events), past which the router "
+            "keeps nothing to replay"
         )
     if progress.prompt_ids is None:
         return "the engine did not report the prompt's token ids"
@@ -252,7 +150,6 @@ def replay_body(request: ClientRequest, progress: Progress) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": request.body["model"],
         "prompt": progress.prompt_ids + generated,
-        "return_token_ids": True,
     }
     for name in _CARRIED:
         if name in request.body:

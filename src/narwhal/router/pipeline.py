@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
 import uuid
@@ -30,13 +29,14 @@ from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
-from narwhal.router.continuation import Progress, ineligible, with_token_ids
+from narwhal.router.continuation import ANSWER, OFF, ineligible, with_token_ids
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Reservation
 from narwhal.router.journal import Journal
 from narwhal.router.metrics import RouterMetrics
 from narwhal.router.operations import FleetOperations
+from narwhal.router.progress import Progress
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.rescue import Rescue
@@ -258,10 +258,7 @@ class Router:
         )
         call.stream = client_request.stream
         progress = self._progress(client_request)
-        if progress is not None:
-            client_request = dataclasses.replace(
-                client_request, body=with_token_ids(client_request.body)
-            )
+        call.tracks_ids = progress is not None
         reservation, stream = await self._open(call, client_request)
         if progress is not None:
             rescue = Rescue(self, request, call, client_request, progress)
@@ -275,12 +272,24 @@ class Router:
                     response = _assemble(call, await _collect(stream, call))
         except NarwhalError as error:
             self._blame(error, reservation)
+            if error.is_engine_fault and error.engine == reservation.consumer.id:
+                self._not_continued(call, client_request)
             raise
         finally:
             reservation.release()
         self.breaker.success(reservation.consumer.id)
         self.budget.on_success()
         return response
+
+    def _not_continued(self, call: Call, client_request: ClientRequest) -> None:
+        """A consumer failed after output began, on a request without a tracker: say why
+        it was not continued (the request's features, or continuation being off)."""
+        call.cut = True
+        why = ineligible(client_request)
+        if why is not None:
+            call.continuation_refused, call.refused_kind = f"{why} cannot be continued", ANSWER
+        elif not self.config.continuation.enabled or self.config.continuation.max_attempts == 0:
+            call.continuation_refused, call.refused_kind = "continuation is off", OFF
 
     def _progress(self, client_request: ClientRequest) -> Progress | None:
         """A tracker for a request that may be continued; None when continuation is off
@@ -294,6 +303,7 @@ class Router:
             chat=client_request.endpoint is Endpoint.CHAT,
             strip=client_request.body.get("return_token_ids") is not True,
             max_tracked=settings.max_tracked_tokens,
+            room=settings.max_tracked_bytes,
         )
 
     async def _open(
@@ -396,10 +406,12 @@ class Router:
         try:
             descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
             call.enter(Stage.DECODE)
+            body = client_request.body
             stream = await self.client.send_decode(
                 consumer.url,
                 endpoint,
-                client_request.body,
+                # A tracked request's ids come from its decode alone (`router.progress`).
+                with_token_ids(body) if call.tracks_ids else body,
                 result,
                 descriptor,
                 engine=consumer.id,

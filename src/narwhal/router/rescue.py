@@ -20,8 +20,10 @@ from narwhal.protocol.sse import SseError, block_payloads
 from narwhal.router.assemble import Assembler
 from narwhal.router.call import Call, Stage
 from narwhal.router.continuation import (
+    ANSWER,
+    BUDGET,
+    FLEET,
     Head,
-    Progress,
     merged_usage,
     refusal,
     replay_body,
@@ -29,6 +31,7 @@ from narwhal.router.continuation import (
     usage_chunk,
 )
 from narwhal.router.fleet import Reservation
+from narwhal.router.progress import Progress
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -95,6 +98,8 @@ class Rescue:
                 consumer = reservation.consumer.id
                 if not error.is_engine_fault or error.engine != consumer:
                     raise
+                self.call.cut = True
+                self.progress.settle()
                 if self.progress.finished:
                     # Every token is in; only the usage chunk or [DONE] went missing.
                     self.router.breaker.success(consumer)
@@ -182,24 +187,30 @@ class Rescue:
         started = time.perf_counter()
         while True:
             why = refusal(self.client_request, progress, self.settings.max_tracked_tokens)
-            if why is None and call.continuations >= self.settings.max_attempts:
-                why = f"continuation.max_attempts ({self.settings.max_attempts}) used"
-            if why is None and not router.continuation_budget.try_spend():
-                why = "the router's continuation budget (continuation.budget) is spent"
             if why is not None:
-                raise self._refused(error, why)
+                raise self._refused(error, why, ANSWER)
+            if call.continuations >= self.settings.max_attempts:
+                why = f"continuation.max_attempts ({self.settings.max_attempts}) used"
+                raise self._refused(error, why, BUDGET)
+            if not router.continuation_budget.try_spend():
+                why = "the router's continuation budget (continuation.budget) is spent"
+                raise self._refused(error, why, BUDGET)
             progress.ids = progress.generated
             self.base = len(progress.ids)
             replay = ClientRequest(
                 Endpoint.COMPLETIONS, replay_body(self.client_request, progress), True, False
             )
-            call.continuations += 1
-            call.replayed_tokens += self.base
             call.enter(Stage.QUEUED)
-            reservation = await router.fleet.reserve(frozenset(avoid))
+            try:
+                reservation = await router.fleet.reserve(frozenset(avoid))
+            except NarwhalError as unplaced:
+                why = f"no consumer was placed: {unplaced.message}"
+                raise self._refused(error, why, FLEET) from None
             if reservation.consumer.id in failed_consumers:
                 reservation.release()
-                raise self._refused(error, "no other consumer is available to continue on")
+                raise self._refused(error, "no other consumer is available to continue on", FLEET)
+            call.continuations += 1
+            call.replayed_tokens += self.base
             try:
                 stream = await router._attempt(call, replay, reservation, rescue=True)
             except NarwhalError as failed:
@@ -223,8 +234,8 @@ class Rescue:
                 )
             return reservation, stream
 
-    def _refused(self, error: NarwhalError, why: str) -> NarwhalError:
-        self.call.continuation_refused = why
+    def _refused(self, error: NarwhalError, why: str, kind: str) -> NarwhalError:
+        self.call.continuation_refused, self.call.refused_kind = why, kind
         return NarwhalError(
             error.status,
             f"{error.message}; the answer was not continued: {why}",

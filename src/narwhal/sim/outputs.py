@@ -103,13 +103,18 @@ class SseOutput:
         first = generation.completion_tokens - len(texts)
         reasoning = self._reasoning_tokens
         token = self._encoder.token
-        ids = generation.token_ids
         last = len(texts) - 1
         finished = generation.finish_reason is not None
-        parts = [
-            token(text, reasoning=first + i < reasoning, token_id=ids[first + i])
-            for i, text in enumerate(texts[:last] if finished else texts)
-        ]
+        plain = texts[:last] if finished else texts
+        # Token ids are encoded only when the request asked for them (`return_token_ids`).
+        ids = generation.token_ids if self._inference.return_token_ids else None
+        if ids is None:
+            parts = [token(text, reasoning=first + i < reasoning) for i, text in enumerate(plain)]
+        else:
+            parts = [
+                token(text, reasoning=first + i < reasoning, token_id=ids[first + i])
+                for i, text in enumerate(plain)
+            ]
         if finished:
             assert generation.finish_reason is not None
             parts.append(
@@ -119,7 +124,7 @@ class SseOutput:
                     generation.stop_reason,
                     reasoning=first + last < reasoning,
                     with_fingerprint=not self._inference.include_usage,
-                    token_id=ids[first + last],
+                    token_id=0 if ids is None else ids[first + last],
                 )
             )
         await self._response.write(b"".join(parts))

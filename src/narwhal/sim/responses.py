@@ -73,6 +73,15 @@ def event(payload: Mapping[str, object]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+# What follows a token's text when the request asked for token ids, up to the id itself:
+# the prompt's ids go on a completions stream's first chunk only.
+_CHAT_IDS_AFTER = b'},"logprobs":null,"finish_reason":null,"token_ids":['
+_COMPLETION_IDS_AFTER = (
+    b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
+    b'"prompt_token_ids":null,"token_ids":['
+)
+
+
 class StreamEncoder:
     """Encodes the chunks of one stream (completions or chat) exactly as vLLM 0.32 does.
 
@@ -123,18 +132,17 @@ class StreamEncoder:
         before = self._before_reasoning if reasoning else self._before_text
         if self._prompt_ids is None:
             return before + encoded + self._after_text
-        ids = b"[%d]" % token_id
         if self._chat:
-            after = b'},"logprobs":null,"finish_reason":null,"token_ids":' + ids + b"}]}\n\n"
+            after = _CHAT_IDS_AFTER
+        elif self._prompt_sent:
+            after = _COMPLETION_IDS_AFTER
         else:
             after = (
                 b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":'
                 + self._first_prompt_ids()
-                + b',"token_ids":'
-                + ids
-                + b"}]}\n\n"
+                + b',"token_ids":['
             )
-        return before + encoded + after
+        return before + encoded + after + b"%d]}]}\n\n" % token_id
 
     def _first_prompt_ids(self) -> bytes:
         """The prompt's ids the first time (a completions stream's first chunk), then null."""
