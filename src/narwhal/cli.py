@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     amount.add_argument("--minutes", type=_span, help="send requests for this long instead")
     chaos.add_argument("--seed", type=int, default=0, help="fixes every random choice")
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
-    chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
+    chaos.add_argument("--decode", type=_count, default=3, help="decode engines")
     chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
 
     top = sub.add_parser("top", help="a live terminal view of a running router")

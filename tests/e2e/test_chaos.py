@@ -42,6 +42,20 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
     assert {200, 499, 502, 503} <= statuses
     assert tally.unavailable and all(reason != "other" for _, reason in tally.unavailable)
     assert sum(n for (status, _), n in tally.outcomes.items() if status == 200) > 500
+    # Consumers crashed mid-answer and answers were continued.
+    assert tally.cut["continued"] > 0, format_report(report)
+
+
+async def test_the_continuation_check_fails_when_the_router_does_not_continue() -> None:
+    # Consumers still crash mid-answer, but the router ends those answers with an error.
+    options = ChaosOptions(
+        requests=400, seed=7, concurrency=16, fault_every_s=0.06, continuation=False
+    )
+    report = await run_chaos(options)
+    cut = report.tally.cut
+    assert cut["continued"] == 0 and cut["failed"] > 0, format_report(report)
+    check = report.checks["cut answers that could continue were continued (99 %)"]
+    assert check.count == 1 and "could be continued" in check.shown[0]
 
 
 def test_the_chaos_command_prints_its_figures_and_exits_zero_when_all_checks_pass() -> None:

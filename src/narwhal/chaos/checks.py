@@ -100,6 +100,40 @@ def view_problems(sent: Sent, line: Mapping[str, Any]) -> list[str]:
     return []
 
 
+# Why an answer cut mid-way may end without being continued, as the journal records it
+# (`continuation_refused_kind`): the request or answer could not be (`answer`), no other
+# admitted consumer was to be had (`fleet`), or the continuation budget was spent
+# (`budget`). `off` is no excuse: the router could have continued it.
+_EXCUSED_KINDS = {"answer", "fleet", "budget"}
+CONTINUATION_SHARE = 0.99
+
+
+def cut_outcome(line: Mapping[str, Any]) -> str | None:
+    """For an answer whose consumer failed after output began: `continued` when it ended
+    complete, `excused` when it could not have been continued (see `_EXCUSED_KINDS`; the
+    request's deadline passed; the client left), else `failed`. None for any other line."""
+    if not line.get("cut"):
+        return None
+    if line["status"] == 200:
+        return "continued"
+    if line["status"] == CLIENT_CLOSED or line["cause"] == Cause.DEADLINE:
+        return "excused"
+    if line.get("continuation_refused_kind") in _EXCUSED_KINDS:
+        return "excused"
+    return "failed"
+
+
+def continuation_problems(continued: int, failed: int) -> list[str]:
+    """At least 99 % of the cut answers that could be continued ended complete."""
+    could = continued + failed
+    if could and continued < CONTINUATION_SHARE * could:
+        return [
+            f"only {continued} of {could} answers cut mid-way that could be continued "
+            "ended complete"
+        ]
+    return []
+
+
 def text_problems(sent: Sent, index_id: str) -> list[str]:
     """A complete answer holds exactly the text the engines generate for its request:
     nothing lost, nothing doubled, however many consumers it took."""

@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     abandoned_problems,
     check_leaks,
     check_service,
+    continuation_problems,
 )
 from narwhal.chaos.memory import Trend
 from narwhal.chaos.options import ChaosOptions
@@ -40,12 +41,8 @@ class Report:
         if self.trend is None or not self.trend.stable:
             memory.add(["RSS grew past its bound"])
         continued = Problems()
-        tally = self.tally
-        tried = tally.continued_ok + tally.continued_failed
-        if tried and tally.continued_ok < 0.99 * tried:
-            continued.add(
-                [f"only {tally.continued_ok} of {tried} answers cut mid-way ended complete"]
-            )
+        cut = self.tally.cut
+        continued.add(continuation_problems(cut["continued"], cut["failed"]))
         abandoned = Problems()
         if self.abandoned is None:
             abandoned.add(["the router's metrics were never read"])
@@ -57,7 +54,7 @@ class Report:
             "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
             "clients saw what the journal says": self.tally.views,
             "every complete answer's text, nothing lost or doubled": self.tally.texts,
-            "answers cut mid-way continued (at least 99 %)": continued,
+            "cut answers that could continue were continued (99 %)": continued,
             "nothing left in flight": leaks,
             "every engine back in service": service,
             "abandoned handoffs in the journal match the metrics": abandoned,
@@ -92,8 +89,10 @@ def format_report(report: Report) -> str:
         f"{tally.terminal} streams ended with a terminal error event"
     )
     out.append(
-        f"continuation: {tally.continued_ok} answers cut mid-way ended complete, "
-        f"{tally.continued_failed} did not"
+        f"continuation: of the answers cut mid-way, {tally.cut['continued']} ended complete, "
+        f"{tally.cut['failed']} did not though they could have been continued, "
+        f"{tally.cut['excused']} could not be (no other consumer, budget, deadline, client "
+        "gone, or the request's features)"
     )
     abandoned = tally.abandoned
     out.append(

@@ -51,7 +51,6 @@ ROUTER: dict[str, Any] = {
         "health_timeout_s": 0.5,
         "kv_lease_s": 30.0,
     },
-    "continuation": {"enabled": True},
     "serving": {
         "request_timeout_s": 4.0,
         "max_attempts": 2,
@@ -157,6 +156,7 @@ async def _run(
         {
             "model": MODEL,
             **ROUTER,
+            "continuation": {"enabled": options.continuation},
             "journal": {"path": str(journal)},
             "engines": [
                 {"id": name, "url": engines[name].url, "role": role, **SEATS}

@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     CLIENT_CLOSED,
     AbandonedTotals,
     add_journal_abandoned,
+    cut_outcome,
     line_problems,
     no_engine_problems,
     text_problems,
@@ -59,9 +60,9 @@ class Tally:
         self.views = Problems()
         self.no_engine = Problems()
         self.texts = Problems()
-        # Answers whose consumer failed after output began and that the router tried to
-        # continue: those that ended as complete 200 answers, and the rest.
-        self.continued_ok = self.continued_failed = 0
+        # Answers whose consumer failed after output began, by `cut_outcome`: continued
+        # (ended complete), excused (could not have been continued), failed.
+        self.cut: Counter[str] = Counter()
         # Abandoned handoffs per producer, summed over the journal's lines.
         self.abandoned: dict[str, AbandonedTotals] = {}
 
@@ -87,11 +88,9 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
-        if line.get("continuations") or line.get("continuation_refused"):
-            if line["status"] == 200:
-                self.continued_ok += 1
-            else:
-                self.continued_failed += 1
+        cut = cut_outcome(line)
+        if cut is not None:
+            self.cut[cut] += 1
         add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
