@@ -22,11 +22,10 @@ async def kv_of(real: RealStack) -> dict[str, Any]:
     ):
         state = await response.json()
     kvs = [e["kv"] for e in state["engines"] if e["id"] in ("d0", "d1")]
-    pulled = sum(kv["prompt_tokens"].get("external_kv_transfer", 0) for kv in kvs)
     return {
         "crossed_decodes": sum(kv["crossed_decodes"] for kv in kvs),
-        "pulled": pulled,
-        "shares": [kv["transfer_share"] for kv in kvs if kv["crossed_decodes"]],
+        "pulled": sum(kv["prompt_tokens"].get("external_kv_transfer", 0) for kv in kvs),
+        "computed": sum(kv["prompt_tokens"].get("local_compute", 0) for kv in kvs),
         "silent_recomputes": sum(kv["silent_recomputes"] for kv in kvs),
     }
 
@@ -43,5 +42,9 @@ async def test_crossed_decodes_show_as_prompt_tokens_the_consumer_pulled(real: R
             break
         await asyncio.sleep(0.1)
     assert kv["crossed_decodes"] > before["crossed_decodes"]
-    assert kv["pulled"] > before["pulled"]
-    assert all(share > 0.5 for share in kv["shares"]) and kv["silent_recomputes"] == 0
+    # This decode's own figures: earlier tests (a consumer killed mid-answer, decodes that
+    # timed out on a stalled CPU fleet) leave computed prompt tokens in the totals.
+    pulled = kv["pulled"] - before["pulled"]
+    computed = kv["computed"] - before["computed"]
+    assert pulled > 0 and pulled / (pulled + computed) > 0.5, (kv, before)
+    assert kv["silent_recomputes"] == before["silent_recomputes"], (kv, before)
