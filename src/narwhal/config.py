@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Final, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
+from narwhal.continuation_config import ContinuationConfig, parse_continuation
 from narwhal.controller_config import (
     ControllerConfig,
     SloConfig,
@@ -207,6 +208,7 @@ class Config:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -619,6 +621,7 @@ def _build(raw: object, source: str) -> Config:
     tracing = parse_tracing(top.table("tracing"))
     controller = parse_controller(top.table("controller"))
     slo = parse_slo(top.table("slo"))
+    continuation = parse_continuation(top.table("continuation"))
     contract_table = top.optional_table("engine_contract")
     contract = _contract(contract_table) if contract_table else None
     entries = top.items("engines")
@@ -640,6 +643,7 @@ def _build(raw: object, source: str) -> Config:
         tracing,
         controller,
         slo,
+        continuation,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)

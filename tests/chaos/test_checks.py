@@ -13,6 +13,8 @@ from narwhal.chaos.checks import (
     add_journal_abandoned,
     check_leaks,
     check_service,
+    continuation_problems,
+    cut_outcome,
     metrics_abandoned,
     no_engine_problems,
     status_allowed,
@@ -208,3 +210,31 @@ def test_abandoned_handoffs_in_the_journal_must_match_the_metrics() -> None:
     del journal["p1"]
     metrics["p0"].blocks = 5
     assert len(abandoned_problems(journal, metrics)) == 1
+
+
+def _cut(status: int, cause: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    return {"cut": True, "status": status, "cause": cause, "continuation_refused_kind": kind}
+
+
+def test_a_cut_answer_counts_against_the_router_unless_it_could_not_be_continued() -> None:
+    assert cut_outcome({"cut": False, "status": 502, "cause": "connect"}) is None
+    assert cut_outcome(_cut(200)) == "continued"
+    for excused in (
+        _cut(499),
+        _cut(504, "deadline"),
+        _cut(502, "closed_early", "fleet"),
+        _cut(502, "closed_early", "budget"),
+        _cut(502, "closed_early", "answer"),
+    ):
+        assert cut_outcome(excused) == "excused", excused
+    assert cut_outcome(_cut(502, "closed_early", "off")) == "failed"
+    assert cut_outcome(_cut(504, "first_token_timeout")) == "failed"
+
+
+def test_the_continuation_check_wants_99_percent_of_what_could_continue() -> None:
+    assert continuation_problems(0, 0) == []
+    assert continuation_problems(99, 1) == []
+    assert continuation_problems(98, 2) == [
+        "only 98 of 100 answers cut mid-way that could be continued ended complete"
+    ]
+    assert continuation_problems(0, 3) != []

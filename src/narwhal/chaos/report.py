@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     abandoned_problems,
     check_leaks,
     check_service,
+    continuation_problems,
 )
 from narwhal.chaos.memory import Trend
 from narwhal.chaos.options import ChaosOptions
@@ -39,6 +40,9 @@ class Report:
         service.add(check_service(self.state) if self.state else unsettled)
         if self.trend is None or not self.trend.stable:
             memory.add(["RSS grew past its bound"])
+        continued = Problems()
+        cut = self.tally.cut
+        continued.add(continuation_problems(cut["continued"], cut["failed"]))
         abandoned = Problems()
         if self.abandoned is None:
             abandoned.add(["the router's metrics were never read"])
@@ -49,6 +53,8 @@ class Report:
             "statuses follow the rules": self.tally.rules,
             "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
             "clients saw what the journal says": self.tally.views,
+            "every complete answer's text, nothing lost or doubled": self.tally.texts,
+            "cut answers that could continue were continued (99 %)": continued,
             "nothing left in flight": leaks,
             "every engine back in service": service,
             "abandoned handoffs in the journal match the metrics": abandoned,
@@ -81,6 +87,12 @@ def format_report(report: Report) -> str:
     out.append(
         f"clients: {tally.left} left part-way ({tally.closed} journaled as 499), "
         f"{tally.terminal} streams ended with a terminal error event"
+    )
+    out.append(
+        f"continuation: of the answers cut mid-way, {tally.cut['continued']} ended complete, "
+        f"{tally.cut['failed']} did not though they could have been continued, "
+        f"{tally.cut['excused']} could not be (no other consumer, budget, deadline, client "
+        "gone, or the request's features)"
     )
     abandoned = tally.abandoned
     out.append(

@@ -156,6 +156,7 @@ async def _run(
         {
             "model": MODEL,
             **ROUTER,
+            "continuation": {"enabled": options.continuation},
             "journal": {"path": str(journal)},
             "engines": [
                 {"id": name, "url": engines[name].url, "role": role, **SEATS}

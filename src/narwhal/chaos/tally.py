@@ -11,8 +11,10 @@ from narwhal.chaos.checks import (
     CLIENT_CLOSED,
     AbandonedTotals,
     add_journal_abandoned,
+    cut_outcome,
     line_problems,
     no_engine_problems,
+    text_problems,
     unavailable_reason,
     view_problems,
 )
@@ -57,6 +59,10 @@ class Tally:
         self.rules = Problems()
         self.views = Problems()
         self.no_engine = Problems()
+        self.texts = Problems()
+        # Answers whose consumer failed after output began, by `cut_outcome`: continued
+        # (ended complete), excused (could not have been continued), failed.
+        self.cut: Counter[str] = Counter()
         # Abandoned handoffs per producer, summed over the journal's lines.
         self.abandoned: dict[str, AbandonedTotals] = {}
 
@@ -82,6 +88,9 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
+        cut = cut_outcome(line)
+        if cut is not None:
+            self.cut[cut] += 1
         add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
@@ -118,3 +127,4 @@ class Tally:
         self._judged[sent.index] = 1
         if not sent.hung:
             self.views.add(view_problems(sent, line))
+        self.texts.add(text_problems(sent, self.id_of(sent)))
