@@ -28,7 +28,9 @@ FAULTS = {
     "silence": {"silence_after": 7, "silence_s": 30},
     "error_object": {"error_after": 7},
 }
-ENGINE = {"decode_read_timeout_s": 0.5, "first_token_timeout_s": 10.0}
+# A silent consumer is found after 2 s: long enough that a healthy one on a loaded machine
+# is not taken for silent.
+ENGINE = {"decode_read_timeout_s": 2.0, "first_token_timeout_s": 10.0}
 ON = {"enabled": True}
 
 
@@ -192,4 +194,46 @@ async def test_off_ends_as_before(make_stack: StackFactory) -> None:
         _, text = await stack.post("/v1/completions", {**GREEDY_COMPLETION, "stream": True})
         error = terminal_error(text)
         assert "not continued" not in error["message"]
+        await settled(stack)
+
+
+async def test_a_token_whose_text_was_held_is_generated_again_not_lost(
+    make_stack: StackFactory,
+) -> None:
+    # Engines whose tokens may carry no text (part of a multi-byte character, a skipped
+    # special token): the ids delivered run ahead of the text delivered. Paced slowly
+    # enough that each token is its own event.
+    sim = {"empty_token_probability": 0.3, "inter_token_s": 0.02}
+    async with make_stack(TWO_CONSUMERS, engine=ENGINE, continuation=ON, sim=sim) as stack:
+        body = {**GREEDY_COMPLETION, "stream": True, "return_token_ids": True}
+        _, clean = await stack.post("/v1/completions", body)
+        events = [
+            (c["text"], len(c["token_ids"])) for p in sse_payloads(clean) for c in p["choices"]
+        ]
+        # A token with no text right after one with text: the cut comes just after it.
+        held = next(i for i in range(1, len(events) - 1) if not events[i][0] and events[i - 1][0])
+        arm(stack.engine("d0"), phase="decode", times=1, close_after=held + 1)
+        async with stack.http.post(
+            stack.url + "/v1/completions", json=body, headers={"X-Narwhal-Continuation": "report"}
+        ) as response:
+            cut = await response.text()
+        before, marker, _ = cut.partition(": narwhal continued the answer after ")
+        assert marker, cut
+        delivered = [
+            (c["text"], c["token_ids"]) for p in sse_payloads(before) for c in p["choices"]
+        ]
+        ids = [t for _, event in delivered for t in event]
+        with_text = max(i for i, (text, _) in enumerate(delivered) if text)
+        committed = sum(len(event) for _, event in delivered[: with_text + 1])
+        # The client saw ids past its text; G stops at the last text, the rest is replayed.
+        assert committed < len(ids) == held + 1, delivered
+        entry = (await stack.journal(expect=2))[-1]
+        assert entry["continuations"] == 1 and entry["replayed_tokens"] == committed, entry
+
+        # Nothing lost, nothing doubled: text and ids as the uninterrupted answer.
+        def whole(text: str) -> tuple[str, list[int]]:
+            choices = [c for p in sse_payloads(text) for c in p["choices"]]
+            return "".join(c["text"] for c in choices), [t for c in choices for t in c["token_ids"]]
+
+        assert whole(cut) == whole(clean)
         await settled(stack)

@@ -270,6 +270,23 @@ def rescued_event(
     return chunk, choice, text
 
 
+def drop_seen(chunk: dict[str, Any], seen: list[int]) -> list[int]:
+    """Take from the client's rescued `chunk` the ids it already has: `seen`, delivered past
+    the committed boundary, which the replay generates again. Returns what is left of
+    `seen`; once the replay's ids differ (a sampled answer), none are dropped."""
+    choice: dict[str, Any] = chunk["choices"][0] if chunk["choices"] else {}
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        return seen
+    same = 0
+    while same < min(len(ids), len(seen)) and ids[same] == seen[same]:
+        same += 1
+    if same < min(len(ids), len(seen)):
+        return []
+    choice["token_ids"] = ids[same:]
+    return seen[same:]
+
+
 def usage_chunk(head: Head, usage: dict[str, Any], fingerprint: object | None) -> dict[str, Any]:
     """The closing usage chunk of a continued stream."""
     chunk = head.members() | {"choices": [], "usage": usage}

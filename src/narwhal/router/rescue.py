@@ -24,6 +24,7 @@ from narwhal.router.continuation import (
     BUDGET,
     FLEET,
     Head,
+    drop_seen,
     merged_usage,
     refusal,
     replay_body,
@@ -77,6 +78,9 @@ class Rescue:
         self.base = 0
         self.usage: dict[str, Any] | None = None
         self.fingerprint: object | None = None
+        # Ids the client asked for and was given past the committed boundary (tokens whose
+        # text was held): the replay generates them again, and the client gets them once.
+        self.overhang: list[int] = []
 
     async def serve(self, reservation: Reservation, stream: DecodeStream) -> web.StreamResponse:
         failed_consumers: set[str] = set()
@@ -156,6 +160,8 @@ class Rescue:
                 if choice is None:
                     continue
                 self.progress.note_payload(choice, text)
+                if self.overhang:
+                    self.overhang = drop_seen(chunk, self.overhang)
                 if self.assembler is not None:
                     self.assembler.add(chunk)
                 else:
@@ -195,6 +201,8 @@ class Rescue:
             if not router.continuation_budget.try_spend():
                 why = "the router's continuation budget (continuation.budget) is spent"
                 raise self._refused(error, why, BUDGET)
+            if not progress.strip:
+                self.overhang = progress.ids[progress.committed :]
             progress.ids = progress.generated
             self.base = len(progress.ids)
             replay = ClientRequest(
