@@ -14,6 +14,7 @@ from narwhal.chaos.checks import (
     check_leaks,
     check_service,
     continuation_problems,
+    cut_excuse,
     cut_outcome,
     metrics_abandoned,
     no_engine_problems,
@@ -219,14 +220,15 @@ def _cut(status: int, cause: str | None = None, kind: str | None = None) -> dict
 def test_a_cut_answer_counts_against_the_router_unless_it_could_not_be_continued() -> None:
     assert cut_outcome({"cut": False, "status": 502, "cause": "connect"}) is None
     assert cut_outcome(_cut(200)) == "continued"
-    for excused in (
-        _cut(499),
-        _cut(504, "deadline"),
-        _cut(502, "closed_early", "fleet"),
-        _cut(502, "closed_early", "budget"),
-        _cut(502, "closed_early", "answer"),
+    for excused, why in (
+        (_cut(499), "client left"),
+        (_cut(504, "deadline"), "deadline"),
+        (_cut(502, "closed_early", "fleet"), "fleet"),
+        (_cut(502, "closed_early", "budget"), "budget"),
+        (_cut(502, "closed_early", "answer"), "answer"),
     ):
         assert cut_outcome(excused) == "excused", excused
+        assert cut_excuse(excused) == why
     assert cut_outcome(_cut(502, "closed_early", "off")) == "failed"
     assert cut_outcome(_cut(504, "first_token_timeout")) == "failed"
 

@@ -110,17 +110,25 @@ CONTINUATION_SHARE = 0.99
 
 def cut_outcome(line: Mapping[str, Any]) -> str | None:
     """For an answer whose consumer failed after output began: `continued` when it ended
-    complete, `excused` when it could not have been continued (see `_EXCUSED_KINDS`; the
-    request's deadline passed; the client left), else `failed`. None for any other line."""
+    complete, `excused` when it could not have been continued (see `cut_excuse`), else
+    `failed`. None for any other line."""
     if not line.get("cut"):
         return None
     if line["status"] == 200:
         return "continued"
-    if line["status"] == CLIENT_CLOSED or line["cause"] == Cause.DEADLINE:
-        return "excused"
-    if line.get("continuation_refused_kind") in _EXCUSED_KINDS:
-        return "excused"
-    return "failed"
+    return "failed" if cut_excuse(line) is None else "excused"
+
+
+def cut_excuse(line: Mapping[str, Any]) -> str | None:
+    """Why a cut answer that did not end complete could not have been continued: the
+    client left, the request's deadline passed, or the router's refusal kind (see
+    `_EXCUSED_KINDS`); None when it could have been."""
+    if line["status"] == CLIENT_CLOSED:
+        return "client left"
+    if line["cause"] == Cause.DEADLINE:
+        return "deadline"
+    kind = line.get("continuation_refused_kind")
+    return str(kind) if kind in _EXCUSED_KINDS else None
 
 
 def continuation_problems(continued: int, failed: int) -> list[str]:

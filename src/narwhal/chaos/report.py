@@ -91,8 +91,7 @@ def format_report(report: Report) -> str:
     out.append(
         f"continuation: of the answers cut mid-way, {tally.cut['continued']} ended complete, "
         f"{tally.cut['failed']} did not though they could have been continued, "
-        f"{tally.cut['excused']} could not be (no other consumer, budget, deadline, client "
-        "gone, or the request's features)"
+        f"{tally.cut['excused']} could not be ({_excuses(tally.cut_excuses)})"
     )
     abandoned = tally.abandoned
     out.append(
@@ -126,3 +125,19 @@ def format_report(report: Report) -> str:
         if problems.count > len(problems.shown):
             out.append(f"       ... and {problems.count - len(problems.shown)} more")
     return "\n".join(out)
+
+
+# How the report names each excuse (`checks.cut_excuse`).
+_EXCUSE_NAMES = {
+    "answer": "the request's features or the answer as cut",
+    "fleet": "no other consumer",
+    "budget": "budget or max_attempts spent",
+    "deadline": "deadline",
+    "client left": "client left",
+}
+
+
+def _excuses(excuses: Counter[str]) -> str:
+    if not excuses:
+        return "none"
+    return ", ".join(f"{_EXCUSE_NAMES.get(k, k)} {n}" for k, n in excuses.most_common())

@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     CLIENT_CLOSED,
     AbandonedTotals,
     add_journal_abandoned,
+    cut_excuse,
     cut_outcome,
     line_problems,
     no_engine_problems,
@@ -63,6 +64,8 @@ class Tally:
         # Answers whose consumer failed after output began, by `cut_outcome`: continued
         # (ended complete), excused (could not have been continued), failed.
         self.cut: Counter[str] = Counter()
+        # The excused ones by `cut_excuse`.
+        self.cut_excuses: Counter[str] = Counter()
         # Abandoned handoffs per producer, summed over the journal's lines.
         self.abandoned: dict[str, AbandonedTotals] = {}
 
@@ -91,6 +94,8 @@ class Tally:
         cut = cut_outcome(line)
         if cut is not None:
             self.cut[cut] += 1
+            if cut == "excused":
+                self.cut_excuses[cut_excuse(line) or ""] += 1
         add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
