@@ -84,6 +84,8 @@ class BenchOptions:
     # Also run Narwhal with tracing on ("narwhal-traced"), exporting to an OTLP sink.
     tracing: bool = False
     tracing_ratio: float = 1.0
+    # Run Narwhal twice, stream continuation off ("narwhal") and on ("narwhal-continued").
+    continuation: bool = False
 
 
 @dataclass(slots=True)
@@ -349,6 +351,7 @@ def narwhal_config(
     queue: int = 1024,
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
+    continuation: bool | None = None,
 ) -> str:
     """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
     idle streams need the silence check off and room to open thousands of first tokens.
@@ -356,6 +359,9 @@ def narwhal_config(
     tracing = "enabled = false"
     if traces_to:
         tracing = f'enabled = true\nendpoint = "{traces_to}"\nsample_ratio = {sample_ratio}'
+    continuation_table = ""
+    if continuation is not None:
+        continuation_table = f"\n[continuation]\nenabled = {str(continuation).lower()}\n"
     first_token_s = 120.0 if idle else 30.0
     decode_read_s = 0.0 if idle else 10.0
     request_s = 3600.0 if idle else 600.0
@@ -376,6 +382,7 @@ queue_capacity = {queue}
 
 [tracing]
 {tracing}
+{continuation_table}
 
 [[engines]]
 id = "producer"
@@ -401,6 +408,7 @@ async def start_narwhal(
     name: str = "narwhal",
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
+    continuation: bool | None = None,
 ) -> tuple[Proc, str]:
     port = free_port()
     config = workdir / f"{name}.toml"
@@ -413,6 +421,7 @@ async def start_narwhal(
             queue=queue,
             traces_to=traces_to,
             sample_ratio=sample_ratio,
+            continuation=continuation,
         )
     )
     argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]
@@ -713,10 +722,22 @@ async def _run_targets(
         direct = Target("direct", producer=bench.producer_url, consumer=bench.consumer_url)
         bench.targets.append(direct)
     if options.narwhal:
-        url = await add_router(
-            bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, bench.workdir)
+        base = False if options.continuation else None
+        started = start_narwhal(
+            bench.producer_url, bench.consumer_url, bench.workdir, continuation=base
         )
+        url = await add_router(bench, "narwhal", started)
         say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
+        if options.continuation:
+            continued = start_narwhal(
+                bench.producer_url,
+                bench.consumer_url,
+                bench.workdir,
+                name="narwhal-continued",
+                continuation=True,
+            )
+            url = await add_router(bench, "narwhal-continued", continued)
+            say(f"narwhal-continued: {url} (stream continuation on)")
     if traces_to is not None:
         traced = start_narwhal(
             bench.producer_url,
@@ -1062,6 +1083,11 @@ def parser() -> argparse.ArgumentParser:
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
     add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
     add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
+    add(
+        "--continuation",
+        action="store_true",
+        help="run Narwhal with stream continuation off and on (narwhal-continued)",
+    )
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
     add("--fastapi-proxy", type=Path, help="python for the FastAPI peer (default: .venv-bench)")
@@ -1104,6 +1130,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         warmup=args.warmup,
         tracing=args.tracing,
         tracing_ratio=args.tracing_ratio,
+        continuation=args.continuation,
     )
 
 

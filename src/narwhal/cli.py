@@ -72,12 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     amount.add_argument("--minutes", type=_span, help="send requests for this long instead")
     chaos.add_argument("--seed", type=int, default=0, help="fixes every random choice")
     chaos.add_argument("--prefill", type=_count, default=2, help="prefill engines")
-    chaos.add_argument("--decode", type=_count, default=2, help="decode engines")
+    chaos.add_argument("--decode", type=_count, default=3, help="decode engines")
     chaos.add_argument("--concurrency", type=_count, default=32, help="clients at once")
     chaos.add_argument(
         "--controller",
         action="store_true",
         help="engines of role both, moved by the role controller during the soak",
+    )
+    chaos.add_argument(
+        "--no-continuation",
+        dest="continuation",
+        action="store_false",
+        help="run the router with stream continuation off (its check then fails)",
     )
 
     top = sub.add_parser("top", help="a live terminal view of a running router")
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             decode=args.decode,
             concurrency=args.concurrency,
             controller=args.controller,
+            continuation=args.continuation,
         )
         sys.exit(runtime.run(chaos_command(options)))
     if args.command == "goodput":

@@ -20,6 +20,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from narwhal.config_table import MISSING, Problems, Table, show, withheld
+from narwhal.continuation_config import ContinuationConfig, parse_continuation
 from narwhal.controller_config import (
     ControllerConfig,
     SloConfig,
@@ -205,6 +206,7 @@ class Config:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -297,6 +299,7 @@ def _build(raw: object, source: str) -> Config:
     tracing = parse_tracing(top.table("tracing"))
     controller = parse_controller(top.table("controller"))
     slo = parse_slo(top.table("slo"))
+    continuation = parse_continuation(top.table("continuation"))
     contract_table = top.optional_table("engine_contract")
     contract = _contract(contract_table) if contract_table else None
     entries = top.items("engines")
@@ -318,6 +321,7 @@ def _build(raw: object, source: str) -> Config:
         tracing,
         controller,
         slo,
+        continuation,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)

@@ -13,6 +13,9 @@ from narwhal.chaos.checks import (
     add_journal_abandoned,
     check_leaks,
     check_service,
+    continuation_problems,
+    cut_excuse,
+    cut_outcome,
     metrics_abandoned,
     moved_to,
     no_engine_problems,
@@ -231,3 +234,32 @@ def test_a_move_of_a_pinned_engine_or_below_a_floor_is_a_problem() -> None:
     assert pinned == ["pinned engine d0 moved to prefill"]
     emptied = role_problems("d1", "prefill", set(), {"prefill": 3, "decode": 0}, floor=1)
     assert emptied == ["after d1 moved to prefill, decode had 0 engines (floor 1)"]
+
+
+def _cut(status: int, cause: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    return {"cut": True, "status": status, "cause": cause, "continuation_refused_kind": kind}
+
+
+def test_a_cut_answer_counts_against_the_router_unless_it_could_not_be_continued() -> None:
+    assert cut_outcome({"cut": False, "status": 502, "cause": "connect"}) is None
+    assert cut_outcome(_cut(200)) == "continued"
+    for excused, why in (
+        (_cut(499), "client left"),
+        (_cut(504, "deadline"), "deadline"),
+        (_cut(502, "closed_early", "fleet"), "fleet"),
+        (_cut(502, "closed_early", "budget"), "budget"),
+        (_cut(502, "closed_early", "answer"), "answer"),
+    ):
+        assert cut_outcome(excused) == "excused", excused
+        assert cut_excuse(excused) == why
+    assert cut_outcome(_cut(502, "closed_early", "off")) == "failed"
+    assert cut_outcome(_cut(504, "first_token_timeout")) == "failed"
+
+
+def test_the_continuation_check_wants_99_percent_of_what_could_continue() -> None:
+    assert continuation_problems(0, 0) == []
+    assert continuation_problems(99, 1) == []
+    assert continuation_problems(98, 2) == [
+        "only 98 of 100 answers cut mid-way that could be continued ended complete"
+    ]
+    assert continuation_problems(0, 3) != []

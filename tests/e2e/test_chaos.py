@@ -39,9 +39,24 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
     # the soak checked that the journal and the metrics agree on each producer's.
     assert sum(a.handoffs for a in tally.abandoned.values()) > 0
     statuses = {status for status, _ in tally.outcomes}
-    assert {200, 499, 502, 503} <= statuses
-    assert tally.unavailable and all(reason != "other" for _, reason in tally.unavailable)
+    # With three consumers a 503 for lack of an engine is rare: it may or may not happen.
+    assert {200, 499, 502} <= statuses
+    assert all(reason != "other" for _, reason in tally.unavailable)
     assert sum(n for (status, _), n in tally.outcomes.items() if status == 200) > 500
+    # Consumers crashed mid-answer and answers were continued.
+    assert tally.cut["continued"] > 0, format_report(report)
+
+
+async def test_the_continuation_check_fails_when_the_router_does_not_continue() -> None:
+    # Consumers still crash mid-answer, but the router ends those answers with an error.
+    options = ChaosOptions(
+        requests=400, seed=7, concurrency=16, fault_every_s=0.06, continuation=False
+    )
+    report = await run_chaos(options)
+    cut = report.tally.cut
+    assert cut["continued"] == 0 and cut["failed"] > 0, format_report(report)
+    check = report.checks["cut answers that could continue were continued (99 %)"]
+    assert check.count == 1 and "could be continued" in check.shown[0]
 
 
 def test_the_chaos_command_prints_its_figures_and_exits_zero_when_all_checks_pass() -> None:
@@ -57,7 +72,7 @@ def test_the_chaos_command_prints_its_figures_and_exits_zero_when_all_checks_pas
     assert "200 requests from 32 clients" in out and "faults injected" in out
     assert "left over: in flight 0, queued 0, open engine legs 0, seats in use 0" in out
     assert "abandoned handoffs: " in out
-    assert "FAIL" not in out and out.count("PASS") == 9
+    assert "FAIL" not in out and out.count("PASS") == 11
 
 
 async def test_a_soak_with_the_role_controller_moving_engines_keeps_every_promise() -> None:

@@ -1,4 +1,4 @@
-"""One real fleet for the session: a prefill and a decode vLLM engine, and a router.
+"""One real fleet for the session: a prefill and two decode vLLM engines, and a router.
 
 The engines take about a minute to start, so every test shares them; they are stopped at
 the end of the session whatever happened. Timings and memory go to the terminal summary.
@@ -45,7 +45,7 @@ async def real() -> AsyncIterator[RealStack]:
         kv_lease_duration_s=KV_LEASE_S,
     )
     started = time.monotonic()
-    async with VllmFleet(options, [("p0", "prefill"), ("d0", "decode")]) as fleet:
+    async with VllmFleet(options, [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]) as fleet:
         FIGURES["engines started together"] = f"{time.monotonic() - started:.1f} s"
         for engine in fleet:
             FIGURES[f"{engine.name} memory (PSS)"] = f"{engine.memory_mib():.0f} MiB"
@@ -65,6 +65,8 @@ async def real() -> AsyncIterator[RealStack]:
                 # A prefill that waited past the handoff bound is tried afresh, as a fleet
                 # on a shared CPU needs: the router's retry, not the test's.
                 "serving": {"max_attempts": 2},
+                # d1 lets an answer whose consumer dies go on (tests/real/test_continuation.py).
+                "continuation": {"enabled": True},
                 "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
             },
             source="tests/real",

@@ -15,21 +15,27 @@ from real_support import MODEL, RealStack
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def kv_of(real: RealStack, engine: str) -> dict[str, Any]:
+async def kv_of(real: RealStack) -> dict[str, Any]:
+    """The consumers' KV figures, summed: the router places the request on either."""
     async with (
         aiohttp.ClientSession() as http,
         http.get(real.server.url + "/narwhal/state") as response,
     ):
         state = await response.json()
-    kv: dict[str, Any] = next(e for e in state["engines"] if e["id"] == engine)["kv"]
-    return kv
+    kvs = [e["kv"] for e in state["engines"] if e["id"] in ("d0", "d1")]
+    return {
+        "crossed_decodes": sum(kv["crossed_decodes"] for kv in kvs),
+        "pulled": sum(kv["prompt_tokens"].get("external_kv_transfer", 0) for kv in kvs),
+        "computed": sum(kv["prompt_tokens"].get("local_compute", 0) for kv in kvs),
+        "silent_recomputes": sum(kv["silent_recomputes"] for kv in kvs),
+    }
 
 
 async def test_crossed_decodes_show_as_prompt_tokens_the_consumer_pulled(real: RealStack) -> None:
     # As in test_handoff: a request the router had to retry (an expired handoff or a refused
     # connection on a loaded machine) proves no handoff, so it is asked again, twice at most.
     for _ in range(3):
-        before = await kv_of(real, "d0")
+        before = await kv_of(real)
         request_id = f"kv-use-{uuid.uuid4().hex}"
         answer = await real.openai().completions.create(
             model=MODEL,
@@ -45,11 +51,14 @@ async def test_crossed_decodes_show_as_prompt_tokens_the_consumer_pulled(real: R
     else:
         raise AssertionError(f"no request crossed in three tries: {entry}")
     for _ in range(200):  # the router reads engines' /metrics every two seconds here
-        kv = await kv_of(real, "d0")
-        pulled = kv["prompt_tokens"].get("external_kv_transfer", 0)
-        if pulled > before["prompt_tokens"].get("external_kv_transfer", 0):
+        kv = await kv_of(real)
+        if kv["pulled"] > before["pulled"]:
             break
         await asyncio.sleep(0.1)
     assert kv["crossed_decodes"] > before["crossed_decodes"]
-    assert pulled > before["prompt_tokens"].get("external_kv_transfer", 0)
-    assert kv["transfer_share"] > 0.5 and kv["silent_recomputes"] == 0
+    # This decode's own figures: earlier tests (a consumer killed mid-answer, decodes that
+    # timed out on a stalled CPU fleet) leave computed prompt tokens in the totals.
+    pulled = kv["pulled"] - before["pulled"]
+    computed = kv["computed"] - before["computed"]
+    assert pulled > 0 and pulled / (pulled + computed) > 0.5, (kv, before)
+    assert kv["silent_recomputes"] == before["silent_recomputes"], (kv, before)

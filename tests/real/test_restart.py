@@ -1,6 +1,9 @@
 """A decode engine killed mid-answer: the client's stream ends with a terminal error, the
 router ejects the engine while it refuses connections, and once the engine is back,
-readmission returns it at once and requests succeed again. Runs last: it restarts d0."""
+readmission returns it at once and requests succeed again. Runs last: it restarts d0.
+
+d1 is drained for the test, so that d0 is the one consumer: the cut answer has nowhere to
+be continued, and requests meet d0 while it refuses connections."""
 
 from __future__ import annotations
 
@@ -40,6 +43,15 @@ async def state_of(real: RealStack, engine: str) -> dict[str, Any]:
 async def test_a_decode_engine_killed_mid_answer_is_ejected_restarted_and_readmitted(
     real: RealStack,
 ) -> None:
+    operations = real.server.router.operations
+    operations.drain("d1", force=True)
+    try:
+        await _killed_ejected_restarted_readmitted(real)
+    finally:
+        operations.readmit("d1")
+
+
+async def _killed_ejected_restarted_readmitted(real: RealStack) -> None:
     events: list[bytes] = []
     async with (
         aiohttp.ClientSession() as http,

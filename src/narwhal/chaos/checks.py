@@ -83,8 +83,10 @@ def line_problems(line: Mapping[str, Any], max_attempts: int) -> list[str]:
         problems.append(f"{rid}: outcome {line['outcome']} for status {status}")
     if (line["error"] is None) != (status == 200):
         problems.append(f"{rid}: error {line['error']!r} with status {status}")
-    if line["attempts"] > max_attempts:
-        problems.append(f"{rid}: {line['attempts']} attempts, over {max_attempts}")
+    # Each continuation is one more attempt of its own (bounded by [continuation]).
+    allowed = max_attempts + line.get("continuations", 0)
+    if line["attempts"] > allowed:
+        problems.append(f"{rid}: {line['attempts']} attempts, over {allowed}")
     return problems
 
 
@@ -96,6 +98,56 @@ def view_problems(sent: Sent, line: Mapping[str, Any]) -> list[str]:
     if not sent.left and sent.seen != status:
         return [f"{rid}: the client was told {sent.seen}, the journal says {status}"]
     return []
+
+
+# Why an answer cut mid-way may end without being continued, as the journal records it
+# (`continuation_refused_kind`): the request or answer could not be (`answer`), no other
+# admitted consumer was to be had (`fleet`), or the continuation budget was spent
+# (`budget`). `off` is no excuse: the router could have continued it.
+_EXCUSED_KINDS = {"answer", "fleet", "budget"}
+CONTINUATION_SHARE = 0.99
+
+
+def cut_outcome(line: Mapping[str, Any]) -> str | None:
+    """For an answer whose consumer failed after output began: `continued` when it ended
+    complete, `excused` when it could not have been continued (see `cut_excuse`), else
+    `failed`. None for any other line."""
+    if not line.get("cut"):
+        return None
+    if line["status"] == 200:
+        return "continued"
+    return "failed" if cut_excuse(line) is None else "excused"
+
+
+def cut_excuse(line: Mapping[str, Any]) -> str | None:
+    """Why a cut answer that did not end complete could not have been continued: the
+    client left, the request's deadline passed, or the router's refusal kind (see
+    `_EXCUSED_KINDS`); None when it could have been."""
+    if line["status"] == CLIENT_CLOSED:
+        return "client left"
+    if line["cause"] == Cause.DEADLINE:
+        return "deadline"
+    kind = line.get("continuation_refused_kind")
+    return str(kind) if kind in _EXCUSED_KINDS else None
+
+
+def continuation_problems(continued: int, failed: int) -> list[str]:
+    """At least 99 % of the cut answers that could be continued ended complete."""
+    could = continued + failed
+    if could and continued < CONTINUATION_SHARE * could:
+        return [
+            f"only {continued} of {could} answers cut mid-way that could be continued "
+            "ended complete"
+        ]
+    return []
+
+
+def text_problems(sent: Sent, index_id: str) -> list[str]:
+    """A complete answer holds exactly the text the engines generate for its request:
+    nothing lost, nothing doubled, however many consumers it took."""
+    if sent.text is None or sent.expected is None or sent.text == sent.expected:
+        return []
+    return [f"{index_id}: the client got {sent.text!r}, the engines generate {sent.expected!r}"]
 
 
 def check_leaks(state: Mapping[str, Any]) -> list[str]:

@@ -58,6 +58,8 @@ FAULTS: dict[str, FaultDraw] = {
     "kv_pull_fail": lambda rng: {"phase": "decode", "kv_pull_fail": True},
     "refuse_s": lambda rng: {"refuse_s": rng.uniform(0.1, 1.0)},
     "crash": lambda rng: {"phase": rng.choice(["prefill", "decode"]), "crash": True},
+    # A consumer that dies mid-answer: what stream continuation rescues.
+    "crash_after": lambda rng: {"phase": "decode", "crash_after": rng.randint(1, 6)},
 }
 OUTAGE = "outage"  # not a fault but an act: crash() an engine now, restart() it later
 

@@ -16,6 +16,7 @@ import orjson
 
 from narwhal.chaos.options import ChaosOptions
 from narwhal.protocol.sse import SseDecoder
+from narwhal.sim.model import Generation, Sampling, chat_prompt, tokenize
 
 MODEL = "narwhal-sim"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -41,6 +42,10 @@ class Sent:
     broken: str | None = None
     status: int | None = None
     terminal: int | None = None
+    # For a complete 200 answer: its text as the client assembled it, and the text the
+    # simulated engines generate for its request.
+    text: str | None = None
+    expected: str | None = None
 
     @property
     def seen(self) -> int | None:
@@ -75,6 +80,39 @@ def terminal_code(raw: bytes) -> int | None:
     error = last.get("error") if isinstance(last, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, int) else None
+
+
+def answer_text(raw: bytes, *, stream: bool) -> str:
+    """The text a client assembles from an answer: its events' pieces, or the object's."""
+    if stream:
+        payloads = [
+            orjson.loads(event.data)
+            for event in SseDecoder(max_event_bytes=1 << 30).feed(raw)
+            if event.data != b"[DONE]"
+        ]
+    else:
+        payloads = [orjson.loads(raw)]
+    parts: list[str] = []
+    for payload in payloads:
+        for choice in payload.get("choices") or ():
+            part = choice.get("delta") or choice.get("message") or choice
+            parts.append(part.get("text") or part.get("content") or "")
+    return "".join(parts)
+
+
+def expected_text(raw: bytes) -> str:
+    """What the soak's simulated engines generate for this request body, in full."""
+    body = orjson.loads(raw)
+    if "messages" in body:
+        tokens = tokenize(chat_prompt(body["messages"]))
+    else:
+        tokens = tokenize(body["prompt"])
+    generation = Generation(
+        tokens, Sampling(), max_tokens=body["max_tokens"], stop=body.get("stop") or ()
+    )
+    while generation.finish_reason is None:
+        generation.step()
+    return generation.text
 
 
 class Sink(Protocol):
@@ -184,6 +222,9 @@ class Load:
                     body = await response.read()
                 if sent.stream and response.status == 200:
                     sent.terminal = terminal_code(body)
+                if response.status == 200 and sent.terminal is None:
+                    sent.text = answer_text(body, stream=sent.stream)
+                    sent.expected = expected_text(raw)
         except TimeoutError:
             sent.hung = True
         except aiohttp.ClientError as exc:

@@ -11,6 +11,7 @@ from narwhal.chaos.checks import (
     abandoned_problems,
     check_leaks,
     check_service,
+    continuation_problems,
 )
 from narwhal.chaos.memory import Trend
 from narwhal.chaos.options import ChaosOptions
@@ -39,6 +40,9 @@ class Report:
         service.add(check_service(self.state) if self.state else unsettled)
         if self.trend is None or not self.trend.stable:
             memory.add(["RSS grew past its bound"])
+        continued = Problems()
+        cut = self.tally.cut
+        continued.add(continuation_problems(cut["continued"], cut["failed"]))
         abandoned = Problems()
         if self.abandoned is None:
             abandoned.add(["the router's metrics were never read"])
@@ -49,6 +53,8 @@ class Report:
             "statuses follow the rules": self.tally.rules,
             "no 503 for lack of an engine while one accepts connections": self.tally.no_engine,
             "clients saw what the journal says": self.tally.views,
+            "every complete answer's text, nothing lost or doubled": self.tally.texts,
+            "cut answers that could continue were continued (99 %)": continued,
             "nothing left in flight": leaks,
             "every engine back in service": service,
             "abandoned handoffs in the journal match the metrics": abandoned,
@@ -85,6 +91,11 @@ def format_report(report: Report) -> str:
         f"clients: {tally.left} left part-way ({tally.closed} journaled as 499), "
         f"{tally.terminal} streams ended with a terminal error event"
     )
+    out.append(
+        f"continuation: of the answers cut mid-way, {tally.cut['continued']} ended complete, "
+        f"{tally.cut['failed']} did not though they could have been continued, "
+        f"{tally.cut['excused']} could not be ({_excuses(tally.cut_excuses)})"
+    )
     abandoned = tally.abandoned
     out.append(
         f"abandoned handoffs: {sum(a.handoffs for a in abandoned.values())} "
@@ -119,3 +130,19 @@ def format_report(report: Report) -> str:
         if problems.count > len(problems.shown):
             out.append(f"       ... and {problems.count - len(problems.shown)} more")
     return "\n".join(out)
+
+
+# How the report names each excuse (`checks.cut_excuse`).
+_EXCUSE_NAMES = {
+    "answer": "the request's features or the answer as cut",
+    "fleet": "no other consumer",
+    "budget": "budget or max_attempts spent",
+    "deadline": "deadline",
+    "client left": "client left",
+}
+
+
+def _excuses(excuses: Counter[str]) -> str:
+    if not excuses:
+        return "none"
+    return ", ".join(f"{_EXCUSE_NAMES.get(k, k)} {n}" for k, n in excuses.most_common())

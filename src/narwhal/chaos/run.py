@@ -189,6 +189,7 @@ async def _run(
             "model": MODEL,
             **ROUTER,
             **(CONTROLLER if options.controller else {}),
+            "continuation": {"enabled": options.continuation},
             "journal": {"path": str(journal)},
             "engines": [
                 {"id": name, "url": engines[name].url, **role(name, phase), **SEATS}

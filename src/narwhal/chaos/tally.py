@@ -11,10 +11,13 @@ from narwhal.chaos.checks import (
     CLIENT_CLOSED,
     AbandonedTotals,
     add_journal_abandoned,
+    cut_excuse,
+    cut_outcome,
     line_problems,
     moved_to,
     no_engine_problems,
     role_problems,
+    text_problems,
     unavailable_reason,
     view_problems,
 )
@@ -67,6 +70,12 @@ class Tally:
         self.rules = Problems()
         self.views = Problems()
         self.no_engine = Problems()
+        self.texts = Problems()
+        # Answers whose consumer failed after output began, by `cut_outcome`: continued
+        # (ended complete), excused (could not have been continued), failed.
+        self.cut: Counter[str] = Counter()
+        # The excused ones by `cut_excuse`.
+        self.cut_excuses: Counter[str] = Counter()
         # Abandoned handoffs per producer, summed over the journal's lines.
         self.abandoned: dict[str, AbandonedTotals] = {}
         # Role controller moves, and pins or floors they broke.
@@ -96,6 +105,11 @@ class Tally:
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
         self.rules.add(line_problems(line, self._max_attempts))
+        cut = cut_outcome(line)
+        if cut is not None:
+            self.cut[cut] += 1
+            if cut == "excused":
+                self.cut_excuses[cut_excuse(line) or ""] += 1
         add_journal_abandoned(line, self.abandoned)
         reason = unavailable_reason(line)
         if reason is not None:
@@ -145,3 +159,4 @@ class Tally:
         self._judged[sent.index] = 1
         if not sent.hung:
             self.views.add(view_problems(sent, line))
+        self.texts.add(text_problems(sent, self.id_of(sent)))

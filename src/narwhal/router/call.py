@@ -81,6 +81,19 @@ class Call:
     # own trace context as header lines for the engine legs (b"" if it sent none).
     trace: RequestTrace | None = None
     trace_lines: bytes = b""
+    # Stream continuation: replays sent after a consumer failed mid-answer, the generated
+    # tokens they prefilled again, the seconds from the failure to each replay's first
+    # token, and why an answer that failed was not continued.
+    continuations: int = 0
+    replayed_tokens: int = 0
+    interruption_s: float = 0.0
+    continuation_refused: str | None = None
+    # Its kind (`router.continuation`: answer, fleet, budget, off), and whether the
+    # consumer failed after output began at all (whether or not it was continued).
+    refused_kind: str | None = None
+    cut: bool = False
+    # Whether its decodes ask the engine for token ids (the request may be continued).
+    tracks_ids: bool = False
 
     def __post_init__(self) -> None:
         self.stage_at = self.arrival
@@ -161,6 +174,12 @@ class Call:
             "outcome": outcome_of(self.status),
             "cause": self.cause,
             "error": self.error,
+            "continuations": self.continuations,
+            "replayed_tokens": self.replayed_tokens,
+            "interruption_s": self.interruption_s,
+            "continuation_refused": self.continuation_refused,
+            "continuation_refused_kind": self.refused_kind,
+            "cut": self.cut,
             "abandoned_handoffs": journal_field(self.abandoned),
             "failures": [
                 {"engine": e.engine, "cause": e.cause.value, "status": e.status}

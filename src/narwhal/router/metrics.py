@@ -122,6 +122,32 @@ class RouterMetrics:
             ["defect"],
             registry=registry,
         )
+        self.continuations = Counter(
+            "narwhal_continuations",
+            "Replays sent to continue an answer whose consumer failed after output began.",
+            registry=registry,
+        )
+        self.continued = Counter(
+            "narwhal_continued_requests",
+            "Requests that were continued at least once, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.continuation_refusals = Counter(
+            "narwhal_continuation_refusals",
+            "Answers cut mid-way that were not continued (bounds, budget, no consumer).",
+            registry=registry,
+        )
+        self.replayed_tokens = Counter(
+            "narwhal_replayed_tokens",
+            "Generated tokens prefilled again by continuation replays.",
+            registry=registry,
+        )
+        self.interruption = histogram(
+            "narwhal_continuation_interruption_seconds",
+            "From a consumer's failure to the replay's first token, per continued request.",
+            LATENCY_BUCKETS,
+        )
         self.loop_lag = histogram(
             "narwhal_event_loop_lag_seconds",
             f"How late a {LAG_INTERVAL_S:g} s sleep wakes on the router's event loop.",
@@ -156,6 +182,13 @@ class RouterMetrics:
             self.output_tokens.inc(call.output_tokens)
         for kind in call.handoffs:
             self.handoffs.labels(kind).inc()
+        if call.continuations:
+            self.continuations.inc(call.continuations)
+            self.continued.labels(call.outcome).inc()
+            self.replayed_tokens.inc(call.replayed_tokens)
+            self.interruption.observe(call.interruption_s)
+        if call.continuation_refused is not None:
+            self.continuation_refusals.inc()
         for error in call.errors:
             if isinstance(error, DescriptorRejected):
                 self.descriptor_rejections.labels(error.defect.value).inc()

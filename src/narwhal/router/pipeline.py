@@ -29,6 +29,12 @@ from narwhal.router.assemble import Assembler
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
+from narwhal.router.continuation import (
+    ContinuationCounts,
+    not_continued,
+    tracker,
+    with_token_ids,
+)
 from narwhal.router.control_loop import ControlLoop
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
@@ -40,6 +46,7 @@ from narwhal.router.phase_latency import PhaseLatency
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
+from narwhal.router.rescue import Rescue
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 from narwhal.tracing_config import resolve_tracing
@@ -98,6 +105,10 @@ class Router:
             ca_bundle=timeouts.ca_bundle,
         )
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
+        # Continuations spend their own credit, so that they never eat the retries'.
+        self.continuation_budget = RetryBudget(
+            config.continuation.budget, config.continuation.replenish
+        )
         self.breaker = Breaker(
             self.fleet, config.recovery.eject_after, config.recovery.max_ejected_fraction
         )
@@ -114,7 +125,13 @@ class Router:
         self.releases = Releases(self.client, self.abandoned, config.engine.connect_timeout_s)
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
-        self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
+        self.continuation_counts = ContinuationCounts()
+        self.call_hooks: list[CallHook] = [
+            self.recent.add,
+            self.metrics.observe,
+            log_call,
+            self.continuation_counts.add,
+        ]
         # Told as each request's first token goes out to its client.
         self.first_token_hooks: list[CallHook] = []
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
@@ -254,7 +271,12 @@ class Router:
             self.config.model,
         )
         call.stream = client_request.stream
+        progress = tracker(self.config.continuation, client_request)
+        call.tracks_ids = progress is not None
         reservation, stream = await self._open(call, client_request)
+        if progress is not None:
+            rescue = Rescue(self, request, call, client_request, progress)
+            return await rescue.serve(reservation, stream)
         try:
             async with stream:
                 call.enter(Stage.RELAY)
@@ -266,6 +288,8 @@ class Router:
                     response = _assemble(call, await _collect(stream, call))
         except NarwhalError as error:
             self._blame(error, reservation)
+            if error.is_engine_fault and error.engine == reservation.consumer.id:
+                not_continued(call, client_request, self.config.continuation)
             raise
         finally:
             reservation.release()
@@ -296,9 +320,19 @@ class Router:
                 raise
 
     async def _attempt(
-        self, call: Call, client_request: ClientRequest, reservation: Reservation
+        self,
+        call: Call,
+        client_request: ClientRequest,
+        reservation: Reservation,
+        *,
+        rescue: bool = False,
     ) -> DecodeStream:
-        """One prefill/decode try, up to the decode's first token. Fresh ids, fresh handoff."""
+        """One prefill/decode try, up to the decode's first token. Fresh ids, fresh handoff.
+
+        With `rescue`, the try continues an answer (`router.rescue`): the request's own
+        first-token measurements and prompt count stay as they were.
+        """
+        endpoint = client_request.endpoint
         loop = asyncio.get_running_loop()
         producer, consumer = reservation.producer, reservation.consumer
         call.attempts += 1
@@ -311,13 +345,13 @@ class Router:
         if reservation.fallback:
             # Aggregate fallback: the consumer computes the prompt itself; no prefill leg.
             result = PrefillResult(
-                consumer.url, call.endpoint, backend_id, None, loop.time(), same_worker=True
+                consumer.url, endpoint, backend_id, None, loop.time(), same_worker=True
             )
         else:
             call.enter(Stage.PREFILL)
             result = await self.client.prefill(
                 producer.url,
-                call.endpoint,
+                endpoint,
                 client_request.body,
                 same_worker=not reservation.crossed,
                 request_id=backend_id,
@@ -326,11 +360,14 @@ class Router:
                 trace=call.leg_headers(),
             )
             reservation.release_prefill()
-            call.ttft_s = time.perf_counter() - call.arrival
-            call.prompt_tokens = result.prompt_tokens
+            if not rescue:
+                call.ttft_s = time.perf_counter() - call.arrival
+                call.prompt_tokens = result.prompt_tokens
         delivery = Delivery()
         try:
-            return await self._hand_over(call, client_request, reservation, result, delivery)
+            return await self._hand_over(
+                call, client_request, reservation, result, delivery, rescue=rescue
+            )
         except BaseException:
             if not delivery.delivered:
                 self._abandon(call, result, reservation)
@@ -343,9 +380,12 @@ class Router:
         reservation: Reservation,
         result: PrefillResult,
         delivery: Delivery,
+        *,
+        rescue: bool,
     ) -> DecodeStream:
         """From the prefill's answer to the decode's first token; `delivery` says whether
         the descriptor reached the consumer, whatever happens."""
+        endpoint = client_request.endpoint
         producer, consumer = reservation.producer, reservation.consumer
         if reservation.fallback:
             call.handoff = "fallback"
@@ -355,12 +395,14 @@ class Router:
             call.handoff = self._handoff_kind(reservation, result, now)
         call.handoffs.append(call.handoff)
         try:
-            descriptor = await self.client.handoff_descriptor(consumer.url, call.endpoint, result)
+            descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
             call.enter(Stage.DECODE)
+            body = client_request.body
             stream = await self.client.send_decode(
                 consumer.url,
-                call.endpoint,
-                client_request.body,
+                endpoint,
+                # A tracked request's ids come from its decode alone (`router.progress`).
+                with_token_ids(body) if call.tracks_ids else body,
                 result,
                 descriptor,
                 engine=consumer.id,
@@ -375,6 +417,8 @@ class Router:
         self._prefill_succeeded(reservation)
         if call.handoff == "crossed":
             consumer.crossed_decodes += 1
+        if rescue:
+            return stream
         call.first_byte_s = time.perf_counter() - call.arrival
         if reservation.fallback:
             call.ttft_s = call.first_byte_s

@@ -37,6 +37,13 @@ def snapshot(router: Router) -> dict[str, Any]:
             "spent": router.budget.spent,
             "denied": router.budget.denied,
         },
+        "continuation": {
+            "enabled": router.config.continuation.enabled,
+            "continued": router.continuation_counts.continued,
+            "not_continued": router.continuation_counts.not_continued,
+            "credit": round(router.continuation_budget.credit, 3),
+            "size": router.continuation_budget.initial,
+        },
         "recent": router.recent.summary(time.perf_counter()),
         "engines": [engine_entry(engine, now, router.abandoned) for engine in router.fleet.engines],
         "controller": (

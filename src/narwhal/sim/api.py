@@ -69,6 +69,8 @@ class InferenceRequest:
     stream: bool
     include_usage: bool
     kv_transfer_params: Mapping[str, object] | None
+    # `return_token_ids`: the prompt's ids once and each event's generated ids.
+    return_token_ids: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -131,6 +133,7 @@ def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -
         stream=stream,
         include_usage=_include_usage(body, stream),
         kv_transfer_params=_kv_transfer_params(body),
+        return_token_ids=_return_token_ids(body),
     )
 
 
@@ -249,6 +252,13 @@ def _include_usage(body: dict[str, object], stream: bool) -> bool:
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
     return include_usage
+
+
+def _return_token_ids(body: dict[str, object]) -> bool:
+    value = body.get("return_token_ids")
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, "return_token_ids must be a boolean", "return_token_ids")
+    return bool(value)
 
 
 def _kv_transfer_params(body: dict[str, object]) -> Mapping[str, object] | None:

@@ -24,6 +24,7 @@ from aiohttp import web
 from narwhal.sim.api import ApiError, InferenceRequest, Route, parse_request
 from narwhal.sim.describe import fingerprint, identity, models
 from narwhal.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.sim.generate import stream_tokens
 from narwhal.sim.handoff import descriptor, rejected_handoff, release_rejected, renewing_lease
 from narwhal.sim.kv import (
     HeldBlocks,
@@ -37,13 +38,7 @@ from narwhal.sim.outputs import JsonOutput, Output, SseOutput, error_response
 from narwhal.sim.prompt import Prompt, process_prompt
 from narwhal.sim.responses import StreamEncoder, Usage
 from narwhal.sim.scheduler import Scheduler, Seat
-from narwhal.sim.steps import Decoding, StepLoop
-
-ZERO_INTERVAL_BATCH = 32
-"""Tokens generated per transport write when there is no inter-token interval."""
-
-KEEP_ALIVE_INTERVAL_S = 0.1
-"""How often a silent stream with `silence_metadata` sends a keep-alive comment."""
+from narwhal.sim.steps import StepLoop
 
 KEEPALIVE_TIMEOUT_S = 5.0
 """vLLM (uvicorn) closes idle keep-alive connections after 5 s."""
@@ -249,6 +244,7 @@ class SimEngine:
                 options.model,
                 fingerprint=self.fingerprint,
                 reasoning_field=options.reasoning_field,
+                prompt_token_ids=inference.prompt_tokens if inference.return_token_ids else None,
             )
             output = SseOutput(request, inference, encoder, options.reasoning_tokens)
         else:
@@ -383,49 +379,12 @@ class SimEngine:
         # Token 0 comes out of the prefill; every later token costs one decode step.
         decoding = launch.steps.decode(prompt_tokens + 1, generation.max_tokens - 1)
         try:
-            return await self._stream_tokens(decoding, generation, output, fault)
+            paced = not self.options.step_costs.decode_is_free
+            return await stream_tokens(
+                decoding, generation, output, fault, paced=paced, crash=self._crash_by_fault
+            )
         finally:
             decoding.leave()
-
-    async def _stream_tokens(
-        self, decoding: Decoding, generation: Generation, output: Output, fault: Fault
-    ) -> web.StreamResponse | None:
-        marks = [k for k in (fault.silence_after, fault.close_after, fault.error_after) if k]
-        paced = not self.options.step_costs.decode_is_free
-        while generation.finish_reason is None:
-            sent = generation.completion_tokens
-            if sent == 0 and fault.done_before_token and output.streaming:
-                return await output.done_early()
-            if fault.silence_after == sent:
-                await self._silence(output, fault)
-            if fault.close_after == sent:
-                return output.abort()
-            if fault.error_after == sent:
-                return await output.fail(
-                    ApiError(fault.error_code, f"simulated fault: error after {sent} tokens")
-                )
-            # Up to the next fault mark: one token per write when tokens are paced, a batch
-            # per write when they are not, everything at once when nobody watches the stream.
-            count = min((k for k in marks if k > sent), default=generation.max_tokens) - sent
-            if output.streaming:
-                # Paced: the tokens already made (one, unless the stream fell behind and
-                # they piled up, as vLLM's output collector merges them too).
-                count = min(count, max(1, decoding.ready) if paced else ZERO_INTERVAL_BATCH)
-            texts: list[str] = []
-            while len(texts) < count and generation.finish_reason is None:
-                texts.append(generation.step())
-            await decoding.tokens(len(texts) - (sent == 0))
-            await output.tokens(texts, generation)
-        return None
-
-    async def _silence(self, output: Output, fault: Fault) -> None:
-        if not fault.silence_metadata:
-            await asyncio.sleep(fault.silence_s)
-            return
-        deadline = asyncio.get_running_loop().time() + fault.silence_s
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            await asyncio.sleep(min(KEEP_ALIVE_INTERVAL_S, left))
-            await output.keep_alive()
 
     def _hold_for_pull(
         self,

@@ -49,6 +49,7 @@ class Fault:
     kv_pull_fail: bool = False  # a decode's KV pull fails
     refuse_s: float = 0.0  # drop the request and stop accepting connections this long
     crash: bool = False  # die: exit the process, or drop everything in-process
+    crash_after: int | None = None  # after K tokens die, as `crash` does
 
     @classmethod
     def from_json(cls, value: object) -> Fault:
@@ -122,6 +123,7 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
     "kv_pull_fail": _flag,
     "refuse_s": _seconds,
     "crash": _flag,
+    "crash_after": _count,
 }
 
 

@@ -1,7 +1,9 @@
 """The simulated model: tokenizer, chat template and deterministic generation.
 
 Generation is a pure function of the prompt tokens and the sampling settings, so a request
-yields the same text on any engine and across a prefill/decode handoff.
+yields the same text on any engine and across a prefill/decode handoff. Each token is drawn
+from the whole sequence before it, so a prompt P + G (G: tokens P generated) goes on exactly
+as P would have after G, as a continued answer must.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ VOCAB: tuple[str, ...] = tuple(f" {word}" for word in _WORDS.split())
 """Generated tokens: whole words with a leading space, so any output reads as text."""
 
 
+EMPTY_TOKEN_ID = 1
+"""The id of a token that detokenizes to nothing (a skipped special token)."""
+EOS_TOKEN_ID = 2
+"""The id of the end-of-sequence token."""
+
+
 @lru_cache(maxsize=65_536)
 def _piece_id(piece: str) -> int:
     digest = blake2b(piece.encode(), digest_size=8).digest()
@@ -52,6 +60,11 @@ def _piece_id(piece: str) -> int:
 def tokenize(text: str) -> list[int]:
     """Split text into word/punctuation pieces (leading whitespace attached) hashed to ids."""
     return [_piece_id(piece) for piece in _PIECE.findall(text)]
+
+
+def word_id(word: str) -> int:
+    """The id of a generated word: the id its text tokenizes to, so text and ids agree."""
+    return _piece_id(word) if word else EMPTY_TOKEN_ID
 
 
 def chat_prompt(messages: Sequence[Mapping[str, object]]) -> str:
@@ -82,8 +95,8 @@ class Sampling:
 class Generation:
     """One request's token stream: each `step()` produces one token and the text it releases.
 
-    Token i is drawn from a hash chain seeded by the prompt tokens and the sampling settings,
-    so it depends only on those, on i and on the tokens before it. Greedy decoding
+    Token i is drawn from a hash of the sampling settings, the prompt tokens and the
+    tokens generated before it, so it depends only on those. Greedy decoding
     (temperature 0) ignores the seed, as a real sampler would. Text that might still turn
     into a stop string is held back until it cannot. With `empty_probability`, a token
     may detokenize to nothing, like a skipped special token or part of a multi-byte
@@ -91,17 +104,18 @@ class Generation:
     """
 
     __slots__ = (
+        "_context",
         "_empty_threshold",
         "_eos_threshold",
         "_held",
         "_holdback",
         "_pieces",
-        "_state",
         "_stops",
         "completion_tokens",
         "finish_reason",
         "max_tokens",
         "stop_reason",
+        "token_ids",
     )
 
     def __init__(
@@ -114,10 +128,13 @@ class Generation:
         eos_probability: float = 0.0,
         empty_probability: float = 0.0,
     ) -> None:
-        seed = blake2b(token_bytes(prompt_tokens), digest_size=16)
+        # A running hash of the sampling settings and every token so far: token i depends
+        # on the sequence before it and nothing else.
+        context = blake2b(digest_size=16)
         if sampling.temperature > 0:
-            seed.update(struct.pack("<qd", sampling.seed, sampling.temperature))
-        self._state = seed.digest()
+            context.update(struct.pack("<qd", sampling.seed, sampling.temperature))
+        context.update(token_bytes(prompt_tokens))
+        self._context = context
         self.max_tokens = max_tokens
         self._stops = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
@@ -129,6 +146,7 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         # The stop string that ended the generation (vLLM's `stop_reason`).
         self.stop_reason: str | None = None
+        self.token_ids: list[int] = []
 
     @property
     def text(self) -> str:
@@ -137,21 +155,26 @@ class Generation:
 
     def step(self) -> str:
         """Generate the next token and return the text it releases (may be empty)."""
-        state = blake2b(self._state, digest_size=16).digest()
-        self._state = state
+        state = self._context.copy().digest()
         self.completion_tokens += 1
         if int.from_bytes(state[8:], "little") < self._eos_threshold:
+            self._append(EOS_TOKEN_ID)
             self.finish_reason = "stop"
             return self._release(self._held)
         word = VOCAB[int.from_bytes(state[:8], "little") % len(VOCAB)]
         if int.from_bytes(state[4:12], "little") < self._empty_threshold:
             word = ""
+        self._append(word_id(word))
         if not self._stops:
             if self.completion_tokens >= self.max_tokens:
                 self.finish_reason = "length"
             self._pieces.append(word)
             return word
         return self._step_with_stops(word)
+
+    def _append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self._context.update(struct.pack("<q", token))
 
     def _step_with_stops(self, word: str) -> str:
         held = self._held + word

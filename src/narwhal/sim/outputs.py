@@ -103,14 +103,29 @@ class SseOutput:
         first = generation.completion_tokens - len(texts)
         reasoning = self._reasoning_tokens
         token = self._encoder.token
-        parts = [token(text, reasoning=first + i < reasoning) for i, text in enumerate(texts)]
-        if generation.finish_reason is not None:
-            parts[-1] = self._encoder.last_token(
-                texts[-1],
-                generation.finish_reason,
-                generation.stop_reason,
-                reasoning=first + len(texts) - 1 < reasoning,
-                with_fingerprint=not self._inference.include_usage,
+        last = len(texts) - 1
+        finished = generation.finish_reason is not None
+        plain = texts[:last] if finished else texts
+        # Token ids are encoded only when the request asked for them (`return_token_ids`).
+        ids = generation.token_ids if self._inference.return_token_ids else None
+        if ids is None:
+            parts = [token(text, reasoning=first + i < reasoning) for i, text in enumerate(plain)]
+        else:
+            parts = [
+                token(text, reasoning=first + i < reasoning, token_id=ids[first + i])
+                for i, text in enumerate(plain)
+            ]
+        if finished:
+            assert generation.finish_reason is not None
+            parts.append(
+                self._encoder.last_token(
+                    texts[-1],
+                    generation.finish_reason,
+                    generation.stop_reason,
+                    reasoning=first + last < reasoning,
+                    with_fingerprint=not self._inference.include_usage,
+                    token_id=0 if ids is None else ids[first + last],
+                )
             )
         await self._response.write(b"".join(parts))
 
@@ -206,6 +221,10 @@ class JsonOutput:
             stop_reason=generation.stop_reason,
             usage=usage,
             reasoning="".join(self._reasoning) if self._reasoning_tokens else None,
+            prompt_token_ids=(
+                self._inference.prompt_tokens if self._inference.return_token_ids else None
+            ),
+            token_ids=generation.token_ids if self._inference.return_token_ids else None,
         )
         body = completion(
             self._inference.route,

@@ -73,6 +73,15 @@ def event(payload: Mapping[str, object]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+# What follows a token's text when the request asked for token ids, up to the id itself:
+# the prompt's ids go on a completions stream's first chunk only.
+_CHAT_IDS_AFTER = b'},"logprobs":null,"finish_reason":null,"token_ids":['
+_COMPLETION_IDS_AFTER = (
+    b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
+    b'"prompt_token_ids":null,"token_ids":['
+)
+
+
 class StreamEncoder:
     """Encodes the chunks of one stream (completions or chat) exactly as vLLM 0.32 does.
 
@@ -90,8 +99,13 @@ class StreamEncoder:
         *,
         fingerprint: str,
         reasoning_field: str = "reasoning",
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self._chat = route == "chat"
+        # With `return_token_ids`: the prompt's ids go on the first chunk, then each
+        # chunk carries its own generated ids.
+        self._prompt_ids = prompt_token_ids
+        self._prompt_sent = False
         self._fingerprint = fingerprint
         self._reasoning_field = reasoning_field
         self._head = {
@@ -112,11 +126,30 @@ class StreamEncoder:
                 b'"prompt_token_ids":null,"token_ids":null}]}\n\n'
             )
 
-    def token(self, text: str, *, reasoning: bool = False) -> bytes:
+    def token(self, text: str, *, reasoning: bool = False, token_id: int = 0) -> bytes:
         """A chunk for one generated token; its text may be "" (it detokenized to nothing)."""
         encoded = _ENCODED_WORDS.get(text) or orjson.dumps(text)
         before = self._before_reasoning if reasoning else self._before_text
-        return before + encoded + self._after_text
+        if self._prompt_ids is None:
+            return before + encoded + self._after_text
+        if self._chat:
+            after = _CHAT_IDS_AFTER
+        elif self._prompt_sent:
+            after = _COMPLETION_IDS_AFTER
+        else:
+            after = (
+                b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":'
+                + self._first_prompt_ids()
+                + b',"token_ids":['
+            )
+        return before + encoded + after + b"%d]}]}\n\n" % token_id
+
+    def _first_prompt_ids(self) -> bytes:
+        """The prompt's ids the first time (a completions stream's first chunk), then null."""
+        if self._prompt_ids is None or self._prompt_sent:
+            return b"null"
+        self._prompt_sent = True
+        return orjson.dumps(self._prompt_ids)
 
     def last_token(
         self,
@@ -126,16 +159,19 @@ class StreamEncoder:
         *,
         reasoning: bool = False,
         with_fingerprint: bool,
+        token_id: int = 0,
     ) -> bytes:
         """The chunk that carries the final token and the finish reason."""
         choice: dict[str, object] = {"index": 0}
+        ids = None if self._prompt_ids is None else [token_id]
         if self._chat:
             choice["delta"] = {self._reasoning_field if reasoning else "content": text}
             choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
-            choice["token_ids"] = None
+            choice["token_ids"] = ids
         else:
             choice.update(text=text, logprobs=None, finish_reason=finish_reason)
-            choice.update(stop_reason=stop_reason, prompt_token_ids=None, token_ids=None)
+            prompt = orjson.Fragment(self._first_prompt_ids())
+            choice.update(stop_reason=stop_reason, prompt_token_ids=prompt, token_ids=ids)
         chunk: dict[str, object] = self._head | {"choices": [choice]}
         if with_fingerprint:
             chunk["system_fingerprint"] = self._fingerprint
@@ -149,8 +185,10 @@ class StreamEncoder:
             "logprobs": None,
             "finish_reason": None,
         }
+        prompt = self._prompt_ids
+        self._prompt_sent = True
         return event(
-            self._head | {"choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+            self._head | {"choices": [choice], "prompt_token_ids": prompt, "prompt_text": None}
         )
 
     def usage(self, usage: Usage) -> bytes:
@@ -170,6 +208,9 @@ class Answer:
     stop_reason: str | None
     usage: Usage
     reasoning: str | None = None
+    # With `return_token_ids`: the prompt's ids and the generated ones.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 def completion(
@@ -208,12 +249,15 @@ def completion(
             reasoning_field: answer.reasoning,
         }
         choice.update(logprobs=None, finish_reason=answer.finish_reason)
-        choice.update(stop_reason=answer.stop_reason, token_ids=None, routed_experts=None)
-        top.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        choice.update(stop_reason=answer.stop_reason, token_ids=answer.token_ids)
+        choice["routed_experts"] = None
+        top.update(prompt_logprobs=None, prompt_token_ids=answer.prompt_token_ids)
+        top["prompt_text"] = None
     else:
         choice.update(text=answer.text, logprobs=None, finish_reason=answer.finish_reason)
-        choice.update(stop_reason=answer.stop_reason, token_ids=None, prompt_logprobs=None)
-        choice.update(prompt_token_ids=None, routed_experts=None)
+        choice.update(stop_reason=answer.stop_reason, token_ids=answer.token_ids)
+        choice.update(prompt_logprobs=None, prompt_token_ids=answer.prompt_token_ids)
+        choice["routed_experts"] = None
     top.update(
         kv_transfer_params=None if kv_transfer_params is None else dict(kv_transfer_params),
         ec_transfer_params=None,

@@ -251,6 +251,7 @@ function render(state) {
   text("in-flight", state.in_flight);
   text("queued", state.queued);
   text("credit", `${Math.floor(state.retry_budget.credit)}/${state.retry_budget.size}`);
+  text("continued", `${state.continuation.continued}`);
   if (state.recent) renderRecent(state.recent);
   renderController(state.controller);
   document.getElementById("engines").replaceChildren(...state.engines.map((e) => engineCard(e, before)));
