@@ -29,6 +29,7 @@ from narwhal.controller_config import (
     parse_slo,
 )
 from narwhal.tracing_config import TracingConfig, parse_tracing
+from narwhal.workers_config import Workers, parse_workers
 
 
 class Role(enum.StrEnum):
@@ -78,6 +79,8 @@ class ServerConfig:
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Names an environment variable holding more client keys, comma-separated.
     api_keys_env: str | None = None
+    # Router processes on this port (`workers_config`); "auto": one per usable core.
+    workers: Workers = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -671,6 +674,7 @@ def _server(table: _Table) -> ServerConfig:
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
         api_keys_env=_env_name(table, "api_keys_env"),
+        workers=parse_workers(table),
     )
     table.close()
     return server

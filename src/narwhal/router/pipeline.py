@@ -12,6 +12,7 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class Router:
         config_path: Path | None = None,
         *,
         tracing: Tracing | None = None,
+        journal_stamp: Mapping[str, object] | None = None,
     ) -> None:
         # The configuration the router started with; the engine list lives in `fleet`, which
         # operators change at runtime (`operations`, re-reading `config_path` on reload).
@@ -104,7 +106,9 @@ class Router:
         self.readmission = Readmission(config, self.fleet, self.client)
         self._readmitting: asyncio.Task[None] | None = None
         self._reading: asyncio.Task[None] | None = None
-        self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
+        self.journal = Journal(
+            Path(config.journal.path) if config.journal.path else None, journal_stamp
+        )
         self.in_flight = 0
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -115,6 +119,8 @@ class Router:
         self.metrics = RouterMetrics(self)
         # After its journal line, each request feeds the fleet page, metrics and logs.
         self.call_hooks: list[CallHook] = [self.recent.add, self.metrics.observe, log_call]
+        # As each request arrives, before anything can fail (a worker's ledger).
+        self.arrival_hooks: list[Callable[[Call], None]] = []
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
@@ -181,6 +187,8 @@ class Router:
         elif traceparent is not None:
             call.trace_lines = passthrough(traceparent, headers.get("tracestate"))
         self.in_flight += 1
+        for arrived in self.arrival_hooks:
+            arrived(call)
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)

@@ -1,0 +1,63 @@
+"""`[server] workers`: how many router processes serve one port.
+
+`workers = 4` runs four; `"auto"` runs one per core the process may use (its CPU affinity,
+which a container's cpuset narrows), resolved when the router starts rather than when the
+file is read, so `narwhal config validate` on a laptop says `auto` and not the laptop's count.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from narwhal.config import _Table
+
+Workers = int | Literal["auto"]
+# Beyond this, a typo (`workers = 400`) is likelier than a machine that wants it.
+MAX_WORKERS = 256
+
+
+def parse_workers(table: _Table, key: str = "workers") -> Workers:
+    """An integer in 1..MAX_WORKERS or `"auto"`; a problem is recorded under the key's path."""
+    raw = table.take(key, required=False)
+    if raw == "auto":
+        return "auto"
+    if isinstance(raw, str):
+        table.fail(key, f'must be an integer from 1 to {MAX_WORKERS} or "auto", got "{raw}"')
+        return 1
+    return table.integer(key, 1, 1, MAX_WORKERS)
+
+
+def conflict(workers: int, controller_enabled: bool) -> str | None:
+    """Why a configuration cannot run with this many workers, or None.
+
+    The role controller moves engines for one router process's view of the fleet; N
+    processes each moving engines on their own evidence would fight.
+    """
+    if workers > 1 and controller_enabled:
+        return (
+            f"the role controller ([controller] enabled) runs in one router process; "
+            f"{workers} workers asked: set server.workers = 1"
+        )
+    return None
+
+
+def parse_workers_flag(text: str) -> Workers:
+    """`--workers N|auto` on the command line, with the file's rules."""
+    if text == "auto":
+        return "auto"
+    value = int(text)
+    if not 1 <= value <= MAX_WORKERS:
+        raise ValueError(f"must be from 1 to {MAX_WORKERS} or auto, got {value}")
+    return value
+
+
+def resolve_workers(setting: Workers) -> int:
+    """The number of worker processes to run: `auto` is the cores this process may use."""
+    if setting != "auto":
+        return setting
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
