@@ -154,7 +154,11 @@ def _bench(argv: list[str]) -> int:
         print("narwhal bench: needs a source checkout (benchmarks/)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(benchmarks))
-    status: int = importlib.import_module("router_bench").main(argv)
+    # `--workers N` compares one process with N workers (benchmarks/workers_bench.py).
+    harness = (
+        "workers_bench" if any(a.split("=")[0] == "--workers" for a in argv) else "router_bench"
+    )
+    status: int = importlib.import_module(harness).main(argv)
     return status
 
 

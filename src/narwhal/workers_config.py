@@ -29,6 +29,11 @@ def parse_workers(table: _Table, key: str = "workers") -> Workers:
     return table.integer(key, 1, 1, MAX_WORKERS)
 
 
+def parse_replicas(table: _Table, key: str = "replicas") -> int:
+    """How many router replicas share the fleet (each takes 1/replicas of every seat limit)."""
+    return table.integer(key, 1, 1, MAX_WORKERS)
+
+
 def conflict(workers: int, controller_enabled: bool) -> str | None:
     """Why a configuration cannot run with this many workers, or None.
 

@@ -54,6 +54,11 @@ async def test_two_workers_serve_one_port_and_answer_as_one_router(tmp_path: Pat
             metrics = await served.metrics()
             assert metric_sum(metrics, "narwhal_requests_total") == 60
             assert metric_sum(metrics, "narwhal_worker_up") == 2
+            by_worker = {
+                worker: metric_sum(metrics, f'narwhal_worker_requests_total{{worker="{worker}"}}')
+                for worker in ("0", "1")
+            }
+            assert sum(by_worker.values()) == 60 and all(by_worker.values()), by_worker
             state = await served.state()
             assert state["workers"]["answered"] == [0, 1]
             assert state["in_flight"] == 0
@@ -146,3 +151,41 @@ async def test_sigterm_drains_every_worker_then_exits(tmp_path: Path) -> None:
             assert len(lines) == 10 and all(line["outcome"] == "ok" for line in lines)
             assert {line["worker"] for line in lines} == {0, 1}
             assert await post_fresh(served.url, BODY) == (0, b"")
+
+
+async def test_two_workers_keep_every_engine_within_its_seat_limits(tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    # Prefills take a while, so that several overlap on the producer as decodes do.
+    options = [
+        replace(FAST, name=name, inter_token_s=0.01, request_overhead_s=0.03) for name, _ in ROLES
+    ]
+    stream = {**BODY, "max_tokens": 20, "stream": True}
+    async with SimFleet(options) as fleet:
+        config = fleet_toml(
+            fleet, ROLES, journal, engine_keys="max_prefill_seats = 3\nmax_decode_seats = 3\n"
+        )
+        async with serve_workers(tmp_path, config, 2, journal) as served:
+            state = await served.state()
+            shares = {e["id"]: e["seats"] for e in state["engines"]}
+            assert shares["d0"]["decode"] == {"in_use": 0, "limit": 3, "share": 3}
+            peak = dict.fromkeys(fleet.engines, 0)
+            done = asyncio.Event()
+
+            async def watch() -> None:
+                # What each engine itself has: running plus queued, sampled throughout.
+                while not done.is_set():
+                    for engine in fleet.engines:
+                        load = engine.running_count() + engine.waiting_count()
+                        peak[engine] = max(peak[engine], load)
+                    await asyncio.sleep(0.002)
+
+            watching = asyncio.create_task(watch())
+            results = await asyncio.gather(*(post_fresh(served.url, stream) for _ in range(60)))
+            done.set()
+            await watching
+            assert all(status == 200 and b"[DONE]" in body for status, body in results)
+            assert all(load <= 3 for load in peak.values()), peak
+            # Loaded to their limits, so that the bound above was tested.
+            assert max(peak[e] for e in fleet.engines[1:]) == 3, peak
+            lines = await served.journal_lines(60)
+            assert {line["worker"] for line in lines} == {0, 1}

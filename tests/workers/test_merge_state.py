@@ -24,7 +24,11 @@ def engine(state: str = "admitted", in_use: int = 0, **extra: Any) -> dict[str, 
         "probes": {},
         "pinned": False,
         "removing": False,
-        "seats": {"prefill": {"in_use": 0, "limit": 0}, "decode": {"in_use": in_use, "limit": 8}},
+        "seats": {
+            "prefill": {"in_use": 0, "limit": 0, "share": None},
+            "decode": {"in_use": in_use, "limit": 8, "share": 4},
+        },
+        "others": 0.0,
         "failures": {},
         "reported": None,
         "kv": {
@@ -75,7 +79,8 @@ def test_what_each_worker_holds_adds_up() -> None:
     assert merged["in_flight"] == 5 and merged["open_engine_legs"] == 5
     assert merged["retry_budget"] == {"credit": 20.0, "size": 20, "spent": 2, "denied": 0}
     (d0,) = merged["engines"]
-    assert d0["seats"]["decode"] == {"in_use": 5, "limit": 8}
+    assert d0["seats"]["decode"] == {"in_use": 5, "limit": 8, "share": 8}
+    assert d0["seats"]["prefill"]["share"] is None
     assert d0["failures"] == {"refused": 3, "decode": 1}
     assert merged["recent"]["requests"] == 5
     assert merged["recent"]["series"] == [{"ago_s": 0.0, "ok": 5}]

@@ -20,6 +20,7 @@ from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.admin import add_admin_routes
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
+from narwhal.router.seat_share import SeatShare
 from narwhal.secrets import Secrets, bearer_allowed
 
 if TYPE_CHECKING:
@@ -157,15 +158,22 @@ class RouterServer:
         peer_path: str | None = None,
         middlewares: Sequence[Middleware] = (),
         journal_stamp: Mapping[str, object] | None = None,
+        seat_share: SeatShare | None = None,
     ) -> None:
         """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads.
         `tracing`: a tracer of the caller's (tests give one that keeps spans in memory);
         by default `[tracing]` and the OTEL_* environment decide. A worker process passes
         its bound `listener` (shared with the other workers), the Unix socket path its peers
-        reach it at, its fan-out middleware, and the keys it stamps on its journal lines."""
+        reach it at, its fan-out middleware, the keys it stamps on its journal lines and its
+        part of the seat limits."""
         self.secrets = secrets or Secrets()
         self.router = Router(
-            config, self.secrets, config_path, tracing=tracing, journal_stamp=journal_stamp
+            config,
+            self.secrets,
+            config_path,
+            tracing=tracing,
+            journal_stamp=journal_stamp,
+            seat_share=seat_share,
         )
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port

@@ -41,6 +41,7 @@ from narwhal.router.phase_latency import PhaseLatency
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
+from narwhal.router.seat_share import SeatShare
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 from narwhal.tracing_config import resolve_tracing
@@ -79,7 +80,10 @@ class Router:
         *,
         tracing: Tracing | None = None,
         journal_stamp: Mapping[str, object] | None = None,
+        seat_share: SeatShare | None = None,
     ) -> None:
+        """`seat_share`: a worker's part of the seat limits; by default, the replica's
+        (`server.replicas`)."""
         # The configuration the router started with; the engine list lives in `fleet`, which
         # operators change at runtime (`operations`, re-reading `config_path` on reload).
         self.config = config
@@ -89,6 +93,7 @@ class Router:
             config.engines,
             queue_capacity=config.serving.queue_capacity,
             queue_timeout_s=config.serving.queue_timeout_s,
+            share=seat_share or SeatShare(replicas=config.server.replicas),
         )
         timeouts = config.engine
         self.client = EngineClient(

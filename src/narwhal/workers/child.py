@@ -18,6 +18,7 @@ from narwhal import runtime
 from narwhal.config import ConfigError, load_config
 from narwhal.router.app import RouterServer, reload_signal, stop_signal
 from narwhal.router.events import configure_logging
+from narwhal.router.seat_share import SeatShare
 from narwhal.secrets import SecretsError, load_secrets
 from narwhal.workers.fanout import fan_out
 from narwhal.workers.ledger import Ledger, ledger_path
@@ -69,6 +70,7 @@ async def run_worker(
         peer_path=str(peer_socket(run_dir, worker)),
         middlewares=[fan_out(peers)],
         journal_stamp={"worker": worker},
+        seat_share=SeatShare(config.server.replicas, count, worker),
     )
     ledger = Ledger(ledger_path(run_dir, worker))
     server.router.arrival_hooks.append(ledger.opened)

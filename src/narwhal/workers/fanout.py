@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from narwhal.workers.merge_metrics import Families, merge_expositions
+from narwhal.workers.merge_metrics import Families, merge_expositions, sample_total
 from narwhal.workers.merge_state import merge_states
 from narwhal.workers.peers import PeerAnswer, Peers
 from narwhal.workers.status import read_status
@@ -82,8 +82,17 @@ def _worker_metrics(peers: Peers, answers: dict[int, PeerAnswer | None]) -> list
     up = GaugeMetricFamily(
         "narwhal_worker_up", "Whether the worker answered this scrape.", labels=["worker"]
     )
+    served = CounterMetricFamily(
+        "narwhal_worker_requests",
+        "Finished client requests by the worker that served them (since it started).",
+        labels=["worker"],
+    )
     for worker, answer in answers.items():
-        up.add_metric([str(worker)], float(answer is not None and answer.status == 200))
+        answered = answer is not None and answer.status == 200
+        up.add_metric([str(worker)], float(answered))
+        if answer is not None and answered:
+            total = sample_total(answer.body.decode(), "narwhal_requests_total")
+            served.add_metric([str(worker)], total)
     restarts = CounterMetricFamily(
         "narwhal_worker_restarts",
         "Worker processes the supervisor replaced after they exited.",
@@ -98,7 +107,7 @@ def _worker_metrics(peers: Peers, answers: dict[int, PeerAnswer | None]) -> list
     for slot in status["slots"] if status else ():
         restarts.add_metric([str(slot["worker"])], slot["restarts"])
         lost.add_metric([str(slot["worker"])], slot["lost"])
-    return [up, restarts, lost]
+    return [up, served, restarts, lost]
 
 
 async def _state(request: web.Request, peers: Peers) -> web.StreamResponse:

@@ -64,6 +64,16 @@ def merge_expositions(texts: Sequence[str]) -> list[Metric]:
     return list(families.values())
 
 
+def sample_total(text: str, sample: str) -> float:
+    """The sum of one sample name's values over its labels, in one exposition."""
+    return sum(
+        each.value
+        for family in text_string_to_metric_families(text)
+        for each in family.samples
+        if each.name == sample
+    )
+
+
 def _combiner(family: Metric) -> Callable[[float, float], float]:
     if family.name.endswith("_created"):
         return min

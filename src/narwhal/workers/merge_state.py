@@ -12,6 +12,8 @@ and shows where their judgments differ:
 | engine `state`                          | the workers' common state; when they differ,   |
 |                                         |   the most severe (`worker_states` has each)   |
 | streak, quarantine left                 | max                                            |
+| seat shares                             | sum (the router's part of the engine's limit)  |
+| `others` (requests not this worker's)   | each worker's, by worker                       |
 | the engine's own report, prompt tokens  | the freshest worker's (the same engine counts) |
 | recent requests                         | counts summed; percentiles: the worst worker's |
 
@@ -101,6 +103,8 @@ def merge_engine(views: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "refusing": any(part["refusing"] for part in parts),
         "probes": _sum_fields([part["probes"] for part in parts]),
         "seats": _merge_seats([part["seats"] for part in parts]),
+        # What each worker counts as other routers' requests (its siblings' among them).
+        "others": {str(worker): views[worker]["others"] for worker in sorted(views)},
         "failures": _sum_fields([part["failures"] for part in parts]),
         "reported": reports[-1] if reports else None,
         "kv": kv,
@@ -109,10 +113,16 @@ def merge_engine(views: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _merge_seats(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Seats in use summed; each worker's limit is the engine's own, shown once."""
+    """Seats in use and the workers' shares summed; the engine's limit shown once."""
     return {
-        phase: {"in_use": sum(part[phase]["in_use"] for part in parts), "limit": limit["limit"]}
-        for phase, limit in parts[0].items()
+        phase: {
+            "in_use": sum(part[phase]["in_use"] for part in parts),
+            "limit": first["limit"],
+            "share": None
+            if first["share"] is None
+            else sum(part[phase]["share"] for part in parts),
+        }
+        for phase, first in parts[0].items()
     }
 
 
