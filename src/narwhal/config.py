@@ -79,6 +79,8 @@ class ServerConfig:
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Names an environment variable holding more client keys, comma-separated.
     api_keys_env: str | None = None
+    # The same for admin keys (a Kubernetes Secret mounted as a variable).
+    admin_api_keys_env: str | None = None
     # Router processes on this port (`workers_config`); "auto": one per usable core.
     workers: Workers = 1
     # Router replicas sharing the fleet: each takes 1/replicas of every seat limit.
@@ -676,6 +678,7 @@ def _server(table: _Table) -> ServerConfig:
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
         api_keys_env=_env_name(table, "api_keys_env"),
+        admin_api_keys_env=_env_name(table, "admin_api_keys_env"),
         workers=parse_workers(table),
         replicas=parse_replicas(table),
     )
