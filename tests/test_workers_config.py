@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from narwhal.config import ConfigError, parse_config
-from narwhal.workers_config import conflict, parse_workers_flag, resolve_workers
+from narwhal.workers_config import conflict, parse_workers_flag, quota_cores, resolve_workers
 
 ENGINES = [
     {"id": "p", "url": "http://10.0.0.1:1", "role": "prefill"},
@@ -38,8 +38,15 @@ def test_anything_else_is_named_by_its_path(bad: object) -> None:
 
 
 def test_auto_is_the_cores_this_process_may_use() -> None:
-    assert resolve_workers("auto") == len(os.sched_getaffinity(0))
+    assert 1 <= resolve_workers("auto") <= len(os.sched_getaffinity(0))
     assert resolve_workers(3) == 3
+
+
+def test_a_cpu_quota_caps_auto_rounded_up() -> None:
+    assert quota_cores("max 100000\n") is None
+    assert quota_cores("200000 100000\n") == 2
+    assert quota_cores("150000 100000") == 2
+    assert quota_cores("50000 100000") == 1
 
 
 def test_the_flag_takes_the_files_values() -> None:

@@ -1,13 +1,16 @@
 """`[server] workers`: how many router processes serve one port.
 
-`workers = 4` runs four; `"auto"` runs one per core the process may use (its CPU affinity,
-which a container's cpuset narrows), resolved when the router starts rather than when the
-file is read, so `narwhal config validate` on a laptop says `auto` and not the laptop's count.
+`workers = 4` runs four; `"auto"` runs one per core the process may use: its CPU affinity
+(which a container's cpuset narrows), and no more than its cgroup's CPU quota rounded up (a
+Kubernetes CPU limit), resolved when the router starts rather than when the file is read,
+so `narwhal config validate` on a laptop says `auto` and not the laptop's count.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -58,11 +61,28 @@ def parse_workers_flag(text: str) -> Workers:
     return value
 
 
+# cgroup v2's CPU quota of this process's group: "<quota> <period>" or "max <period>".
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
 def resolve_workers(setting: Workers) -> int:
     """The number of worker processes to run: `auto` is the cores this process may use."""
     if setting != "auto":
         return setting
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    try:
+        quota = quota_cores(CPU_MAX.read_text())
+    except OSError:
+        quota = None
+    return max(1, min(cores, quota) if quota is not None else cores)
+
+
+def quota_cores(cpu_max: str) -> int | None:
+    """Cores a cgroup v2 `cpu.max` allows, rounded up; None without a quota."""
+    quota, _, period = cpu_max.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
