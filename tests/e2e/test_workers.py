@@ -93,6 +93,10 @@ async def test_a_killed_worker_loses_only_its_requests_each_journaled_and_is_rep
     async with SimFleet(options) as fleet:
         config = fleet_toml(fleet, ROLES, journal, extra="[engine]\ndecode_read_timeout_s = 30\n")
         async with serve_workers(tmp_path, config, 2, journal) as served:
+            warm = await asyncio.gather(*(post_fresh(served.url, BODY) for _ in range(10)))
+            assert [status for status, _ in warm] == [200] * 10
+            # Long enough for each worker to snapshot its metrics after the warm-up.
+            await asyncio.sleep(2.5)
             running = [asyncio.create_task(post_fresh(served.url, long)) for _ in range(16)]
             state = await wait_for(
                 served,
@@ -106,7 +110,7 @@ async def test_a_killed_worker_loses_only_its_requests_each_journaled_and_is_rep
             broken = [r for r in results if r[0] != 200 or b"[DONE]" not in r[1]]
             # Exactly the killed worker's requests failed; the other's streamed to the end.
             assert len(broken) == victim["in_flight"]
-            lines = await served.journal_lines(16)
+            lines = (await served.journal_lines(26))[10:]
             lost = [line for line in lines if line["outcome"] == "lost"]
             assert len(lost) == victim["in_flight"]
             assert all(line["worker"] == 0 and line["cause"] == "worker_exited" for line in lost)
@@ -124,6 +128,9 @@ async def test_a_killed_worker_loses_only_its_requests_each_journaled_and_is_rep
             metrics = await served.metrics()
             assert metric_sum(metrics, "narwhal_worker_restarts_total") == 1
             assert metric_sum(metrics, "narwhal_worker_lost_requests_total") == victim["in_flight"]
+            # The dead worker's counts stay in the router's: its warm-up requests still count.
+            assert metric_sum(metrics, "narwhal_requests_total") == 10 + len(ok)
+            assert metric_sum(metrics, "narwhal_worker_requests_total") == 10 + len(ok)
             results = await asyncio.gather(*(post_fresh(served.url, BODY) for _ in range(30)))
             assert [status for status, _ in results] == [200] * 30
             assert all(e.running_count() == 0 for e in fleet.engines)

@@ -55,3 +55,22 @@ def test_the_merge_encodes_as_an_exposition_again() -> None:
     text = generate_latest(registry).decode()
     assert 'narwhal_requests_total{route="/v1/x"} 4.0' in text
     assert "narwhal_requests_in_flight 2.0" in text
+
+
+def test_a_dead_workers_counts_stay_and_its_gauges_go() -> None:
+    live, dead = exposition(3, 2, 0, [0.05]), exposition(4, 5, 1, [0.5])
+    merged = samples_with_retired([live], [dead])
+    assert merged[("narwhal_requests_total", (("route", "/v1/x"),))] == 7
+    assert merged[("narwhal_ttft_seconds_count", ())] == 2
+    assert merged[("narwhal_requests_in_flight", ())] == 2
+    assert merged[("narwhal_engine_state", (("engine", "d0"),))] == 0
+
+
+def samples_with_retired(
+    texts: list[str], retired: list[str]
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in merge_expositions(texts, retired)
+        for sample in family.samples
+    }

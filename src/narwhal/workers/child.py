@@ -24,10 +24,13 @@ from narwhal.workers.fanout import fan_out
 from narwhal.workers.ledger import Ledger, ledger_path
 from narwhal.workers.listener import shared_listener
 from narwhal.workers.peers import Peers
-from narwhal.workers.status import peer_socket
+from narwhal.workers.status import metrics_snapshot, peer_socket
 
 # How often a worker checks that its supervisor still lives.
 ORPHAN_CHECK_S = 1.0
+# How often a worker writes its metrics where the supervisor keeps them if it dies: the
+# counts a killed worker takes with it are at most this old.
+SNAPSHOT_S = 1.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,10 +81,12 @@ async def run_worker(
     reload_signal(server)
     await server.start()
     watch = asyncio.create_task(_orphaned(stopping))
+    snapshots = asyncio.create_task(_snapshots(server, metrics_snapshot(run_dir, worker)))
     try:
         await stopping.wait()
     finally:
         watch.cancel()
+        snapshots.cancel()
         await server.shutdown(config.server.graceful_timeout_s)
         await peers.close()
         ledger.close()
@@ -97,6 +102,16 @@ async def _orphaned(stopping: asyncio.Event) -> None:
             break
     logging.getLogger("narwhal.workers").warning("supervisor %d is gone; stopping", parent)
     stopping.set()
+
+
+async def _snapshots(server: RouterServer, path: Path) -> None:
+    """Write this worker's own metrics every `SNAPSHOT_S`, replacing the last by rename."""
+    fresh = path.with_suffix(".new")
+    while True:
+        await asyncio.sleep(SNAPSHOT_S)
+        body, _ = server.router.metrics.render(None)
+        fresh.write_bytes(body)
+        os.replace(fresh, path)
 
 
 def _name_worker_in_logs(worker: int) -> None:

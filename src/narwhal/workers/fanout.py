@@ -30,7 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from narwhal.workers.merge_metrics import Families, merge_expositions, sample_total
 from narwhal.workers.merge_state import merge_states
 from narwhal.workers.peers import PeerAnswer, Peers
-from narwhal.workers.status import read_status
+from narwhal.workers.status import read_retired, read_status
 
 log = logging.getLogger("narwhal.workers")
 CHANGES = frozenset({"POST", "PATCH", "DELETE"})
@@ -69,8 +69,10 @@ def _forwarded(request: web.Request) -> dict[str, str]:
 async def _metrics(request: web.Request, peers: Peers) -> web.StreamResponse:
     answers = await peers.ask("GET", "/metrics", headers=_forwarded(request))
     texts = [a.body.decode() for a in answers.values() if a is not None and a.status == 200]
+    retired = read_retired(peers.run_dir)
+    merged = merge_expositions(texts, [text for each in retired.values() for text in each])
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Families([*merge_expositions(texts), *_worker_metrics(peers, answers)]))
+    registry.register(Families([*merged, *_worker_metrics(peers, answers, retired)]))
     # Always the classic text format: merged counters keep their `_created` series as
     # the gauges that format has them as.
     return web.Response(
@@ -78,21 +80,23 @@ async def _metrics(request: web.Request, peers: Peers) -> web.StreamResponse:
     )
 
 
-def _worker_metrics(peers: Peers, answers: dict[int, PeerAnswer | None]) -> list[Metric]:
+def _worker_metrics(
+    peers: Peers, answers: dict[int, PeerAnswer | None], retired: dict[int, list[str]]
+) -> list[Metric]:
     up = GaugeMetricFamily(
         "narwhal_worker_up", "Whether the worker answered this scrape.", labels=["worker"]
     )
     served = CounterMetricFamily(
         "narwhal_worker_requests",
-        "Finished client requests by the worker that served them (since it started).",
+        "Finished client requests by the worker number that served them.",
         labels=["worker"],
     )
     for worker, answer in answers.items():
         answered = answer is not None and answer.status == 200
         up.add_metric([str(worker)], float(answered))
-        if answer is not None and answered:
-            total = sample_total(answer.body.decode(), "narwhal_requests_total")
-            served.add_metric([str(worker)], total)
+        texts = retired.get(worker, []) + ([answer.body.decode()] if answer and answered else [])
+        total = sum(sample_total(text, "narwhal_requests_total") for text in texts)
+        served.add_metric([str(worker)], total)
     restarts = CounterMetricFamily(
         "narwhal_worker_restarts",
         "Worker processes the supervisor replaced after they exited.",

@@ -11,6 +11,11 @@ here, sample by sample (same name, same labels):
 | any other gauge (engine standing, limits,| max: the same fact seen by each worker; an      |
 |   the engine's own reported load)        |   engine-state gauge is 1 if any worker sees it |
 
+A worker that died leaves its last snapshot (see `child`): its counters and histograms
+are added as `retired` texts, so that the router's counters never go back when a worker is
+replaced (losing at most the last snapshot interval's counts); its gauges are not, since
+nothing it held is held any more.
+
 Pure: texts in, metric families out.
 """
 
@@ -39,12 +44,15 @@ ADDITIVE_GAUGES = frozenset(
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
-def merge_expositions(texts: Sequence[str]) -> list[Metric]:
-    """The merged families, in the order each first appears."""
+def merge_expositions(texts: Sequence[str], retired: Sequence[str] = ()) -> list[Metric]:
+    """The merged families, in the order each first appears; `retired`: dead workers' last
+    snapshots, whose counts go on counting."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[SampleKey, float]] = {}
-    for text in texts:
+    for text, live in [(text, True) for text in texts] + [(text, False) for text in retired]:
         for family in text_string_to_metric_families(text):
+            if not live and family.type == "gauge":
+                continue
             merged = families.get(family.name)
             if merged is None:
                 merged = families[family.name] = Metric(

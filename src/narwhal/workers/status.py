@@ -22,6 +22,34 @@ def peer_socket(run_dir: Path, worker: int) -> Path:
     return run_dir / f"worker-{worker}.sock"
 
 
+def metrics_snapshot(run_dir: Path, worker: int) -> Path:
+    """A worker's own metrics, rewritten every `SNAPSHOT_S` (kept for when it dies)."""
+    return run_dir / f"worker-{worker}.prom"
+
+
+def retired_snapshots(run_dir: Path) -> Path:
+    """Where the supervisor keeps the last snapshot of each worker that died."""
+    return run_dir / "retired"
+
+
+def retire_snapshot(run_dir: Path, worker: int, pid: int) -> None:
+    """Keep a dead worker's last snapshot, so that its counts stay in the router's."""
+    snapshot = metrics_snapshot(run_dir, worker)
+    if snapshot.exists():
+        retired_snapshots(run_dir).mkdir(exist_ok=True)
+        os.replace(snapshot, retired_snapshots(run_dir) / f"worker-{worker}-{pid}.prom")
+
+
+def read_retired(run_dir: Path) -> dict[int, list[str]]:
+    """Dead workers' last snapshots, by worker number."""
+    found: dict[int, list[str]] = {}
+    folder = retired_snapshots(run_dir)
+    for path in sorted(folder.glob("worker-*.prom")) if folder.exists() else ():
+        worker = int(path.name.split("-")[1])
+        found.setdefault(worker, []).append(path.read_text())
+    return found
+
+
 @dataclass(slots=True)
 class SlotStatus:
     """One worker slot: the process now in it, and what happened to the ones before."""

@@ -29,7 +29,7 @@ from narwhal.router.app import stop_signal
 from narwhal.router.journal import Journal
 from narwhal.workers.ledger import ledger_path, unfinished
 from narwhal.workers.listener import shared_listener
-from narwhal.workers.status import SlotStatus, peer_socket, write_status
+from narwhal.workers.status import SlotStatus, peer_socket, retire_snapshot, write_status
 
 log = logging.getLogger("narwhal.workers")
 QUICK_EXIT_S = 5.0
@@ -141,6 +141,7 @@ class Supervisor:
                 return
             lived = time.time() - (slot.started or 0.0)
             lost = self._record_lost(slot.worker, process.pid, code)
+            retire_snapshot(self.run_dir, slot.worker, process.pid)
             slot.restarts += 1
             slot.last_exit = code
             slot.lost += len(lost)
