@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -243,3 +246,35 @@ def hold_readmission(stack: Stack) -> None:
         return None
 
     stack.server.router.readmission.tick = judge_nothing  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def serve_process(
+    config: Path, log: Path, env: dict[str, str] | None = None, wait_s: float = 90.0
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """`narwhal serve` as its own process on a free port: yields it and its URL.
+
+    On the way out it is asked to stop with SIGTERM (killed if it will not), so the caller
+    can assert on `returncode` after the block; stderr goes to `log`.
+    """
+    with log.open("wb") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "narwhal", "serve", "--config", str(config)),
+            *("--port", "0"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log_file,
+            env=env,
+        )
+    try:
+        assert process.stdout is not None
+        banner = (await asyncio.wait_for(process.stdout.readline(), wait_s)).decode()
+        assert "narwhal serving" in banner, log.read_text()  # noqa: ASYNC240 (a failure's report)
+        yield process, banner.split(" on ")[1].split()[0]
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), wait_s)
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -31,8 +31,8 @@ from narwhal.config import (
     ServingConfig,
     load_config,
     parse_config,
-    validate_command,
 )
+from narwhal.config_report import validate_command
 from narwhal.controller_config import ControllerConfig, SloConfig
 from narwhal.tracing_config import TracingConfig
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_sim(args))
     if args.command == "config":
-        from narwhal.config import validate_command
+        from narwhal.config_report import validate_command
 
         sys.exit(validate_command(args.file))
     if args.command == "journal":

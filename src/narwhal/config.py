@@ -7,24 +7,22 @@ Nothing here reads the environment: `engine.api_key_env` is only the *name* of a
 
 from __future__ import annotations
 
-import difflib
 import enum
 import json
 import math
 import re
-import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, TypeGuard, TypeVar
+from typing import Final
 from urllib.parse import urlsplit
 
+from narwhal.config_table import MISSING, Problems, Table, show, withheld
 from narwhal.controller_config import (
     ControllerConfig,
     SloConfig,
-    controller_summary,
     parse_controller,
     parse_slo,
 )
@@ -280,77 +278,7 @@ def parse_config(data: Mapping[str, object], source: str = "<config>") -> Config
     return _build(data, source)
 
 
-def validate_command(path: Path) -> int:
-    """`narwhal config validate FILE`: the start-up report, without serving; the exit code."""
-    try:
-        config = load_config(path)
-    except ConfigError as error:
-        print(error.report(), file=sys.stderr)
-        return 1
-    print(_summary(config, str(path)))
-    return 0
-
-
-def _summary(config: Config, source: str) -> str:
-    engine, serving, recovery = config.engine, config.serving, config.recovery
-    roles = ", ".join(
-        f"{sum(spec.role is role for spec in config.engines)} {role}" for role in Role
-    )
-
-    def seconds(path: str, value: float) -> str:
-        shown = f"{value:g} s" if value else "off"
-        return shown + (" (derived)" if path in config.derived else "")
-
-    contract = config.engine_contract
-    pinned = (
-        ", ".join(f"{key} = {_show(value)}" for key, value in contract.pinned().items())
-        if contract
-        else "none"
-    )
-    lines = [
-        f"{source}: OK",
-        f"  model: {config.model}",
-        f"  engines: {len(config.engines)} ({roles})",
-        "  timeouts: first token "
-        + seconds("engine.first_token_timeout_s", engine.first_token_timeout_s)
-        + ", decode read "
-        + seconds("engine.decode_read_timeout_s", engine.decode_read_timeout_s)
-        + ", prefill "
-        + seconds("engine.prefill_timeout_s", engine.prefill_timeout_s)
-        + ", queue "
-        + seconds("serving.queue_timeout_s", serving.queue_timeout_s)
-        + f", request {serving.request_timeout_s:g} s",
-        f"  handoff bound: {config.handoff_bound_s:g} s "
-        f"(kv lease {engine.kv_lease_s:g} s less a sixth)",
-        f"  breaker: eject after {recovery.eject_after} failures, at most "
-        f"{recovery.max_ejected_fraction:g} of a phase ejected; readmission every "
-        f"{recovery.readmit_interval_s:g} s, "
-        + seconds("recovery.urgent_readmit_interval_s", recovery.urgent_readmit_interval_s)
-        + " while a phase has no admitted engine",
-        f"  engine contract: {pinned}",
-        f"  tracing: {_tracing_summary(config.tracing)}",
-    ]
-    if config.controller.enabled:
-        lines.append(f"  role controller: {controller_summary(config.controller, config.slo)}")
-    if config.derived:
-        lines.append(
-            "  (derived): unset, so clamped from the default to fit the key it must not exceed"
-        )
-    return "\n".join(lines)
-
-
-def _tracing_summary(tracing: TracingConfig) -> str:
-    if tracing.enabled is False:
-        return "off"
-    if tracing.enabled is None:
-        return "on only if the environment names an OTLP endpoint (OTEL_EXPORTER_OTLP_*)"
-    return f"on, to {tracing.endpoint or 'the OTLP endpoint of the environment, or the default'}"
-
-
 # --- Reading -------------------------------------------------------------------------------
-
-_MISSING: Final = object()
-_E = TypeVar("_E", bound=enum.StrEnum)
 
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -359,264 +287,14 @@ _LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARD: Final = frozenset({"0.0.0.0", "::", ""})
 
 
-class _Problems:
-    """The problems found so far, and which key paths they concern.
-
-    Cross-field checks skip keys that already failed, so one mistake is not reported twice
-    against a stand-in value.
-    """
-
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-        self._paths: set[str] = set()
-
-    def add(self, path: str, message: str) -> None:
-        self.messages.append(f"{path}: {message}")
-        self._paths.add(path)
-
-    def failed(self, *prefixes: str) -> bool:
-        return any(
-            path == prefix or path.startswith((prefix + ".", prefix + "["))
-            for path in self._paths
-            for prefix in prefixes
-        )
-
-
-class _Table:
-    """One table of the file: typed getters that record problems and fall back to a stand-in.
-
-    Every key a getter asks for counts as known; `close()` refuses the rest as unknown.
-    """
-
-    def __init__(self, problems: _Problems, path: str, raw: object) -> None:
-        self._problems = problems
-        self._path = path
-        self._known: list[str] = []
-        self._raw: Mapping[object, object] = {}
-        if isinstance(raw, Mapping):
-            self._raw = raw
-        else:
-            problems.add(path, f"must be a table, got {_show(raw)}")
-
-    @property
-    def where(self) -> str:
-        """This table's own key path."""
-        return self._path
-
-    def path(self, key: str) -> str:
-        return f"{self._path}.{key}" if self._path else key
-
-    def fail(self, key: str, message: str) -> None:
-        self._problems.add(self.path(key), message)
-
-    def has(self, key: str) -> bool:
-        return key in self._raw
-
-    def take(self, key: str, required: bool) -> object:
-        """The raw value, or `_MISSING`; a missing required key is a problem."""
-        self._known.append(key)
-        if key in self._raw:
-            return self._raw[key]
-        if required:
-            self.fail(key, "required key is missing")
-        return _MISSING
-
-    def integer(self, key: str, default: int | None, low: int, high: int | None = None) -> int:
-        """An int in [low, high]; booleans are not integers. A None default makes it required."""
-        value = self.take(key, required=default is None)
-        fallback = low if default is None else default
-        if value is _MISSING:
-            return fallback
-        if _is_int(value) and low <= value and (high is None or value <= high):
-            return value
-        wanted = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
-        self.fail(key, f"must be {wanted}, got {_show(value)}")
-        return fallback
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.take(key, required=False)
-        if value is _MISSING:
-            return default
-        if isinstance(value, bool):
-            return value
-        self.fail(key, f"must be true or false, got {_show(value)}")
-        return default
-
-    def number(self, key: str, default: float, *, zero_ok: bool = False) -> float:
-        """A finite number > 0 (or >= 0); ints are accepted as floats, booleans are not."""
-        value = self.take(key, required=False)
-        if value is _MISSING:
-            return default
-        bound = ">= 0" if zero_ok else "> 0"
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.inf
-            if not math.isfinite(number):
-                self.fail(key, f"must be a finite number {bound}, got {_show(value)}")
-                return default
-            if number > 0 or (zero_ok and number == 0):
-                return number
-        self.fail(key, f"must be a number {bound}, got {_show(value)}")
-        return default
-
-    def fraction(self, key: str, default: float) -> float:
-        """A number in 0..1; ints 0 and 1 are accepted, booleans are not."""
-        value = self.take(key, required=False)
-        if value is _MISSING:
-            return default
-        if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1:
-            return float(value)
-        self.fail(key, f"must be a number in 0..1, got {_show(value)}")
-        return default
-
-    def string(
-        self,
-        key: str,
-        default: str | None,
-        *,
-        pattern: re.Pattern[str] | None = None,
-        wanted: str = "a non-empty string",
-    ) -> str:
-        """A non-empty string, fully matching `pattern` if given. A None default: required."""
-        value = self.take(key, required=default is None)
-        fallback = "" if default is None else default
-        if value is _MISSING:
-            return fallback
-        if isinstance(value, str) and value and (pattern is None or pattern.fullmatch(value)):
-            return value
-        self.fail(key, f"must be {wanted}, got {_show(value)}")
-        return fallback
-
-    def optional_string(self, key: str) -> str | None:
-        """A non-empty string, or None when the key is absent."""
-        return self.string(key, "") or None
-
-    def optional_integer(self, key: str, low: int) -> int | None:
-        """An int >= low, or None when the key is absent."""
-        if not self.has(key):
-            self.take(key, required=False)
-            return None
-        return self.integer(key, low, low)
-
-    def failed(self) -> bool:
-        """Whether any problem concerns this table or a key in it."""
-        return self._problems.failed(self._path)
-
-    def fail_table(self, message: str) -> None:
-        """A problem with the table as a whole."""
-        self._problems.add(self._path, message)
-
-    def strings(
-        self, key: str, *, pattern: re.Pattern[str] | None = None, secret: bool = False
-    ) -> tuple[str, ...]:
-        """A list of non-empty strings; `secret` keeps the values out of every message."""
-        value = self.take(key, required=False)
-        if value is _MISSING:
-            return ()
-        show = _withheld if secret else _show
-        if not isinstance(value, list):
-            self.fail(key, f"must be a list of strings, got {show(value)}")
-            return ()
-        items: list[str] = []
-        for index, item in enumerate(value):
-            if isinstance(item, str) and item and (pattern is None or pattern.fullmatch(item)):
-                items.append(item)
-            else:
-                got = _show(item) if item == "" else show(item)
-                self.fail(f"{key}[{index}]", f"must be a non-empty string, got {got}")
-        return tuple(items)
-
-    def choice(self, key: str, kind: type[_E], default: _E | None) -> _E:
-        """One of an enum's values, given as its string. A None default: required."""
-        value = self.take(key, required=default is None)
-        fallback = next(iter(kind)) if default is None else default
-        if value is _MISSING:
-            return fallback
-        for member in kind:
-            if isinstance(value, str) and value == member.value:
-                return member
-        options = ", ".join(f'"{member.value}"' for member in kind)
-        self.fail(key, f"must be one of {options}, got {_show(value)}")
-        return fallback
-
-    def table(self, key: str) -> _Table:
-        """A sub-table; an absent one reads as empty, so all its keys take their defaults."""
-        value = self.take(key, required=False)
-        return _Table(self._problems, self.path(key), {} if value is _MISSING else value)
-
-    def optional_table(self, key: str) -> _Table | None:
-        """A sub-table whose absence means something; None when absent or not a table."""
-        if not self.has(key):
-            self.take(key, required=False)
-            return None
-        table = self.table(key)
-        return table if isinstance(self._raw[key], Mapping) else None
-
-    def items(self, key: str) -> list[object] | None:
-        """A required list (`[[key]]` in TOML); None when absent or not a list."""
-        value = self.take(key, required=True)
-        if value is _MISSING:
-            return None
-        if not isinstance(value, list):
-            self.fail(key, f"must be a list of tables, got {_show(value)}")
-            return None
-        return value
-
-    def rest(self) -> dict[str, object]:
-        """The keys no getter asked for, now counted as known."""
-        rest = {str(key): value for key, value in self._raw.items() if key not in self._known}
-        self._known.extend(rest)
-        return rest
-
-    def close(self) -> None:
-        """Refuse every key no getter asked for, suggesting the nearest known one."""
-        known = list(self._known)
-        for key in self.rest():
-            near = difflib.get_close_matches(key, known, n=1)
-            self.fail(key, "unknown key" + (f' (did you mean "{near[0]}"?)' if near else ""))
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value: object) -> str:
-    """A value as the file would spell it, cut short when long."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, int | float):
-        text = repr(value)
-    elif isinstance(value, str | list | dict) or value is None:
-        text = json.dumps(value, ensure_ascii=False, default=str)
-    else:
-        text = str(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _withheld(value: object) -> str:
-    """What a value is, without what it says: it may be a credential."""
-    if isinstance(value, str):
-        return f"a string of {len(value)} characters (value withheld)"
-    kind = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        list: "a list",
-        dict: "a table",
-    }
-    return f"{kind.get(type(value), 'a ' + type(value).__name__)} (value withheld)"
-
-
 # --- Building ------------------------------------------------------------------------------
 
 
 def _build(raw: object, source: str) -> Config:
-    problems = _Problems()
+    problems = Problems()
     if not isinstance(raw, Mapping):
-        raise ConfigError([f"the top level must be a table of keys, got {_show(raw)}"], source)
-    top = _Table(problems, "", raw)
+        raise ConfigError([f"the top level must be a table of keys, got {show(raw)}"], source)
+    top = Table(problems, "", raw)
     model = top.string("model", None)
     server = _server(top.table("server"))
     engine = _engine(top.table("engine"))
@@ -631,9 +309,9 @@ def _build(raw: object, source: str) -> Config:
     entries = top.items("engines")
     engines: dict[str, EngineSpec] = {}
     for index, entry in enumerate(entries or ()):
-        table = _Table(problems, f"engines[{index}]", entry)
+        table = Table(problems, f"engines[{index}]", entry)
         if isinstance(entry, Mapping):
-            engines[table.where] = _engine_spec(table)
+            engines[table.where] = read_engine_spec(table)
     top.close()
     config = Config(
         model,
@@ -661,14 +339,14 @@ def _build(raw: object, source: str) -> Config:
     ):
         problems.add(
             "engine_contract.model",
-            f"must equal model ({_show(model)}), got {_show(contract.model)}",
+            f"must equal model ({show(model)}), got {show(contract.model)}",
         )
     if problems.messages:
         raise ConfigError(problems.messages, source)
     return config
 
 
-def _server(table: _Table) -> ServerConfig:
+def _server(table: Table) -> ServerConfig:
     d = ServerConfig()
     server = ServerConfig(
         host=table.string("host", d.host),
@@ -686,7 +364,7 @@ def _server(table: _Table) -> ServerConfig:
     return server
 
 
-def _engine(table: _Table) -> EngineConfig:
+def _engine(table: Table) -> EngineConfig:
     d = EngineConfig()
     engine = EngineConfig(
         first_token_timeout_s=table.number("first_token_timeout_s", d.first_token_timeout_s),
@@ -706,22 +384,22 @@ def _engine(table: _Table) -> EngineConfig:
     return engine
 
 
-def _env_name(table: _Table, key: str) -> str | None:
+def _env_name(table: Table, key: str) -> str | None:
     """The name of an environment variable; a bad one is withheld, as it may be the secret."""
     value = table.take(key, required=False)
-    if value is _MISSING:
+    if value is MISSING:
         return None
     if isinstance(value, str) and _ENV_NAME.fullmatch(value):
         return value
     table.fail(
         key,
         "must be the name of an environment variable (letters, digits and _, not starting "
-        f"with a digit), got {_withheld(value)}",
+        f"with a digit), got {withheld(value)}",
     )
     return None
 
 
-def _serving(table: _Table) -> ServingConfig:
+def _serving(table: Table) -> ServingConfig:
     d = ServingConfig()
     serving = ServingConfig(
         request_timeout_s=table.number("request_timeout_s", d.request_timeout_s),
@@ -736,7 +414,7 @@ def _serving(table: _Table) -> ServingConfig:
     return serving
 
 
-def _recovery(table: _Table) -> RecoveryConfig:
+def _recovery(table: Table) -> RecoveryConfig:
     d = RecoveryConfig()
     recovery = RecoveryConfig(
         eject_after=table.integer("eject_after", d.eject_after, 1),
@@ -754,13 +432,13 @@ def _recovery(table: _Table) -> RecoveryConfig:
     return recovery
 
 
-def _journal(table: _Table) -> JournalConfig:
+def _journal(table: Table) -> JournalConfig:
     journal = JournalConfig(path=table.optional_string("path"))
     table.close()
     return journal
 
 
-def _contract(table: _Table) -> EngineContract:
+def _contract(table: Table) -> EngineContract:
     contract = EngineContract(
         engine_version=table.optional_string("engine_version"),
         model=table.optional_string("model"),
@@ -774,14 +452,14 @@ def _contract(table: _Table) -> EngineContract:
         if isinstance(value, str | int | float) and finite:
             extra[key] = value
         else:
-            table.fail(key, f"must be a string, a finite number or a boolean, got {_show(value)}")
+            table.fail(key, f"must be a string, a finite number or a boolean, got {show(value)}")
     contract = replace(contract, extra=MappingProxyType(extra))
     if not contract.pinned() and not table.failed():
         table.fail_table("pins nothing: name at least one field, or leave the table out")
     return contract
 
 
-def _engine_spec(table: _Table) -> EngineSpec:
+def read_engine_spec(table: Table) -> EngineSpec:
     d = EngineSpec("", "", Role.BOTH)
     engine_id = table.string(
         "id",
@@ -791,12 +469,12 @@ def _engine_spec(table: _Table) -> EngineSpec:
     )
     url = table.string("url", None)
     if url and (defect := _url_defect(url, path_ok=False)):
-        table.fail("url", f"{defect}, got {_show(url)}")
+        table.fail("url", f"{defect}, got {show(url)}")
     elif url.endswith("/"):
         url = url[:-1]
     identity_url = table.optional_string("identity_url")
     if identity_url and (defect := _url_defect(identity_url, path_ok=True)):
-        table.fail("identity_url", f"{defect}, got {_show(identity_url)}")
+        table.fail("identity_url", f"{defect}, got {show(identity_url)}")
     spec = EngineSpec(
         id=engine_id,
         url=url,
@@ -812,29 +490,29 @@ def _engine_spec(table: _Table) -> EngineSpec:
         table.fail(
             "start_as",
             f'needs role "both" (an engine that can serve either phase), got role '
-            f"{_show(spec.role.value)}",
+            f"{show(spec.role.value)}",
         )
     table.close()
     return spec
 
 
-def _start_as(table: _Table) -> Role | None:
+def _start_as(table: Table) -> Role | None:
     if not table.has("start_as"):
         table.take("start_as", required=False)
         return None
     value = table.take("start_as", required=False)
     if value in (Role.PREFILL.value, Role.DECODE.value):
         return Role(value)
-    table.fail("start_as", f'must be "prefill" or "decode", got {_show(value)}')
+    table.fail("start_as", f'must be "prefill" or "decode", got {show(value)}')
     return None
 
 
-def _pin(table: _Table) -> bool:
+def _pin(table: Table) -> bool:
     value = table.take("pin", required=False)
     if isinstance(value, bool):
         return value
     if table.has("pin"):
-        table.fail("pin", f"must be true or false, got {_show(value)}")
+        table.fail("pin", f"must be true or false, got {show(value)}")
     return False
 
 
@@ -862,7 +540,7 @@ def _url_defect(url: str, *, path_ok: bool) -> str | None:
     return None
 
 
-def _address(url: str) -> tuple[str, str, int]:
+def url_address(url: str) -> tuple[str, str, int]:
     """An engine URL reduced to what decides where it connects, for spotting duplicates."""
     parts = urlsplit(url)
     default_port = 443 if parts.scheme == "https" else 80
@@ -903,7 +581,7 @@ def _derive_defaults(config: Config, raw: Mapping[object, object]) -> Config:
     return replace(config, derived=tuple(derived))
 
 
-def _check_timeouts(config: Config, problems: _Problems) -> None:
+def _check_timeouts(config: Config, problems: Problems) -> None:
     """Explicit values that another explicit (or default) value makes unreachable."""
     for table, key, bound_table, bound_key in _BOUNDED:
         path, bound_path = f"{table}.{key}", f"{bound_table}.{bound_key}"
@@ -914,7 +592,7 @@ def _check_timeouts(config: Config, problems: _Problems) -> None:
 
 
 def _check_engines(
-    engines: Mapping[str, EngineSpec], complete: bool, server: ServerConfig, problems: _Problems
+    engines: Mapping[str, EngineSpec], complete: bool, server: ServerConfig, problems: Problems
 ) -> None:
     """The fleet as a whole: non-empty, both legs servable, no engine listed twice.
 
@@ -930,18 +608,18 @@ def _check_engines(
     for path, spec in engines.items():
         if not problems.failed(f"{path}.id"):
             if spec.id in seen_ids:
-                problems.add(f"{path}.id", f"duplicate engine id {_show(spec.id)}")
+                problems.add(f"{path}.id", f"duplicate engine id {show(spec.id)}")
             seen_ids.add(spec.id)
         if not problems.failed(f"{path}.url"):
-            address = _address(spec.url)
+            address = url_address(spec.url)
             if address in seen_urls:
-                problems.add(f"{path}.url", f"duplicate engine url {_show(spec.url)}")
+                problems.add(f"{path}.url", f"duplicate engine url {show(spec.url)}")
             seen_urls.add(address)
-            if _is_router(address, server) and not problems.failed("server"):
+            if is_router_address(address, server) and not problems.failed("server"):
                 problems.add(
                     f"{path}.url",
-                    f"points at the router itself (server.host {_show(server.host)}, "
-                    f"server.port {server.port}), got {_show(spec.url)}",
+                    f"points at the router itself (server.host {show(server.host)}, "
+                    f"server.port {server.port}), got {show(spec.url)}",
                 )
     # A stand-in role must not decide whether the fleet can serve a leg.
     if not complete or any(problems.failed(f"{path}.role") for path in engines):
@@ -952,7 +630,7 @@ def _check_engines(
         problems.add("engines", 'no engine may decode: give one the role "decode" or "both"')
 
 
-def _is_router(address: tuple[str, str, int], server: ServerConfig) -> bool:
+def is_router_address(address: tuple[str, str, int], server: ServerConfig) -> bool:
     """Whether an engine address is the router's own listening address (a request loop)."""
     _, host, port = address
     listen = server.host.lower().strip("[]")

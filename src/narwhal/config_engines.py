@@ -16,13 +16,11 @@ from narwhal.config import (
     EngineSpec,
     Role,
     ServerConfig,
-    _address,
-    _engine_spec,
-    _is_router,
-    _Problems,
-    _show,
-    _Table,
+    is_router_address,
+    read_engine_spec,
+    url_address,
 )
+from narwhal.config_table import Problems, Table, show
 
 # What a PATCH may change; anything else (the id, the url) means another engine.
 PATCHABLE = ("role", "max_prefill_seats", "max_decode_seats", "pin")
@@ -63,16 +61,16 @@ def parse_engine_entry(raw: object, server: ServerConfig, source: str = "body") 
 
     Whether its id or url is already in use is the fleet's question, not this one's.
     """
-    problems = _Problems()
+    problems = Problems()
     if not isinstance(raw, Mapping):
-        raise ConfigError([f"must be an object of [[engines]] keys, got {_show(raw)}"], source)
-    table = _Table(problems, "", raw)
-    spec = _engine_spec(table)
-    if not problems.failed("url") and _is_router(_address(spec.url), server):
+        raise ConfigError([f"must be an object of [[engines]] keys, got {show(raw)}"], source)
+    table = Table(problems, "", raw)
+    spec = read_engine_spec(table)
+    if not problems.failed("url") and is_router_address(url_address(spec.url), server):
         problems.add(
             "url",
-            f"points at the router itself (server.host {_show(server.host)}, "
-            f"server.port {server.port}), got {_show(spec.url)}",
+            f"points at the router itself (server.host {show(server.host)}, "
+            f"server.port {server.port}), got {show(spec.url)}",
         )
     if problems.messages:
         raise ConfigError(problems.messages, source)
@@ -85,8 +83,8 @@ def parse_engine_patch(raw: object, source: str = "body") -> EnginePatch:
         raise ConfigError([f"must be an object with some of {', '.join(PATCHABLE)}"], source)
     if not any(key in raw for key in (*PATCHABLE, *_FIXED)):
         raise ConfigError([f"names nothing to change: give some of {', '.join(PATCHABLE)}"], source)
-    problems = _Problems()
-    table = _Table(problems, "", raw)
+    problems = Problems()
+    table = Table(problems, "", raw)
     for key in _FIXED:
         if table.has(key):
             table.take(key, required=False)
@@ -96,7 +94,7 @@ def parse_engine_patch(raw: object, source: str = "body") -> EnginePatch:
     decode = table.optional_integer("max_decode_seats", 0)
     pin = table.take("pin", required=False)
     if table.has("pin") and not isinstance(pin, bool):
-        table.fail("pin", f"must be true or false, got {_show(pin)}")
+        table.fail("pin", f"must be true or false, got {show(pin)}")
     table.close()
     if problems.messages:
         raise ConfigError(problems.messages, source)
@@ -110,7 +108,7 @@ def parse_engine_patch(raw: object, source: str = "body") -> EnginePatch:
 
 def same_engine_url(a: str, b: str) -> bool:
     """Whether two engine urls name one engine (scheme, host and port, default ports too)."""
-    return _address(a) == _address(b)
+    return url_address(a) == url_address(b)
 
 
 def problem_path(error: ConfigError) -> str | None:

@@ -9,10 +9,8 @@ journal what it would do and change nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from narwhal.config import _Table
+from narwhal.config_table import Table
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +45,7 @@ class ControllerConfig:
     min_samples: int = 20
 
 
-def parse_slo(table: _Table) -> SloConfig:
+def parse_slo(table: Table) -> SloConfig:
     d = SloConfig()
     slo = SloConfig(
         ttft_s=table.number("ttft_s", d.ttft_s), tpot_s=table.number("tpot_s", d.tpot_s)
@@ -56,7 +54,7 @@ def parse_slo(table: _Table) -> SloConfig:
     return slo
 
 
-def parse_controller(table: _Table) -> ControllerConfig:
+def parse_controller(table: Table) -> ControllerConfig:
     """Read `[controller]`, recording each bad key's problem under its path."""
     d = ControllerConfig()
     config = ControllerConfig(
@@ -78,7 +76,7 @@ def parse_controller(table: _Table) -> ControllerConfig:
     return config
 
 
-def _flag(table: _Table, key: str, default: bool) -> bool:
+def _flag(table: Table, key: str, default: bool) -> bool:
     value = table.take(key, required=False)
     if isinstance(value, bool):
         return value

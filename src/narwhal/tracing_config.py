@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    from narwhal.config import _Table
+from narwhal.config_table import Table
 
 DEFAULT_SERVICE_NAME = "narwhal"
 # Appended to an `endpoint` given without a path, as the OTLP exporters do for a base URL.
@@ -45,7 +43,7 @@ class TracingSettings:
     sample_ratio: float | None
 
 
-def parse_tracing(table: _Table) -> TracingConfig:
+def parse_tracing(table: Table) -> TracingConfig:
     """Read `[tracing]`, recording each bad key's problem under its path."""
     # Every key is asked for, present or not, so that a misspelt one gets a suggestion.
     enabled: bool | None = None

@@ -10,7 +10,6 @@ may fail, every seat must be free at the end, and the journal has one line per r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -23,7 +22,7 @@ import orjson
 from openai import AsyncOpenAI
 
 from narwhal.sim.fleet import SimFleet
-from support import FAST, MODEL
+from support import FAST, MODEL, serve_process
 
 ADMIN_KEY = "sk-admin-3333333333"
 CLIENTS = 8
@@ -134,27 +133,8 @@ async def test_every_admin_action_and_reload_under_load_fails_no_request(tmp_pat
         path, journal, log = tmp_path / "fleet.toml", tmp_path / "journal.jsonl", tmp_path / "log"
         roles = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
         fleet_file(path, journal, {n: (url[n], r) for n, r in roles.items()})
-        with log.open("wb") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "narwhal", "serve", "--config", str(path)),
-                *("--port", "0"),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log_file,
-            )
-        try:
-            assert process.stdout is not None
-            banner = (await asyncio.wait_for(process.stdout.readline(), WAIT_S)).decode()
-            assert "narwhal serving" in banner, log.read_text()
-            router = banner.split(" on ")[1].split()[0]
+        async with serve_process(path, log, wait_s=WAIT_S) as (process, router):
             sent = await exercise(process, router, path, journal, url, received)
-        finally:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), WAIT_S)
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
         assert process.returncode == 0, log.read_text()
         check_journal(journal, log, sent)
 

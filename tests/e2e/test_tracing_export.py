@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from narwhal.sim.fleet import SimFleet
-from support import FAST, MODEL
+from support import FAST, MODEL, serve_process
 
 WAIT_S = 90.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -83,19 +81,7 @@ async def test_otel_variables_alone_export_the_request_tree_to_an_otlp_receiver(
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }
         log = tmp_path / "log"
-        with log.open("wb") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "narwhal", "serve", "--config", str(config)),
-                *("--port", "0"),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log_file,
-                env=environment,
-            )
-        try:
-            assert process.stdout is not None
-            banner = (await asyncio.wait_for(process.stdout.readline(), WAIT_S)).decode()
-            assert "narwhal serving" in banner, log.read_text()
-            router = banner.split(" on ")[1].split()[0]
+        async with serve_process(config, log, environment, WAIT_S) as (process, router):
             client = AsyncOpenAI(
                 base_url=router + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S
             )
@@ -110,14 +96,6 @@ async def test_otel_variables_alone_export_the_request_tree_to_an_otlp_receiver(
                 if any(span.name == "narwhal.relay" for _, span in spans):
                     break
                 await asyncio.sleep(0.1)
-        finally:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), WAIT_S)
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
         assert process.returncode == 0, log.read_text()
 
     names = {span.name for _, span in spans}
