@@ -11,17 +11,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from narwhal.config import _Table
+from narwhal.config_table import Table
 
 Workers = int | Literal["auto"]
 # Beyond this, a typo (`workers = 400`) is likelier than a machine that wants it.
 MAX_WORKERS = 256
 
 
-def parse_workers(table: _Table, key: str = "workers") -> Workers:
+def parse_workers(table: Table, key: str = "workers") -> Workers:
     """An integer in 1..MAX_WORKERS or `"auto"`; a problem is recorded under the key's path."""
     raw = table.take(key, required=False)
     if raw == "auto":
@@ -32,7 +31,7 @@ def parse_workers(table: _Table, key: str = "workers") -> Workers:
     return table.integer(key, 1, 1, MAX_WORKERS)
 
 
-def parse_replicas(table: _Table, key: str = "replicas") -> int:
+def parse_replicas(table: Table, key: str = "replicas") -> int:
     """How many router replicas share the fleet (each takes 1/replicas of every seat limit)."""
     return table.integer(key, 1, 1, MAX_WORKERS)
 
