@@ -43,9 +43,10 @@ def fan_out(peers: Peers) -> Middleware:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if _from_peer(request):
-            return await handler(request)
         method, path = request.method, request.path
+        # Client requests first: the request path pays one prefix check and nothing more.
+        if path.startswith("/v1/") or _from_peer(request):
+            return await handler(request)
         if method == "GET" and path == "/metrics":
             return await _metrics(request, peers)
         if method == "GET" and path == "/narwhal/state":
