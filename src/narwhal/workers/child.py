@@ -34,6 +34,7 @@ SNAPSHOT_S = 1.0
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The worker's command line, as the supervisor writes it."""
     parser = argparse.ArgumentParser(prog="narwhal-worker")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--host", required=True)
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 async def run_worker(
     path: Path, host: str, port: int, worker: int, count: int, run_dir: Path
 ) -> int:
+    """Serve as worker `worker` of `count` until SIGTERM; the exit status."""
     try:
         config = load_config(path)
         secrets = load_secrets(config, os.environ)

@@ -24,6 +24,7 @@ COMPACT_BYTES = 1 << 20
 
 
 def ledger_path(run_dir: Path, worker: int) -> Path:
+    """Where worker `worker` keeps its ledger."""
     return run_dir / f"worker-{worker}.ledger"
 
 
@@ -37,6 +38,7 @@ class Ledger:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
 
     def opened(self, call: Call) -> None:
+        """A request arrived: on disk before anything about it can fail."""
         line = orjson.dumps(
             {
                 "open": call.request_id,
@@ -49,6 +51,7 @@ class Ledger:
         self._write(self._open[call.request_id])
 
     def closed(self, call: Call, now: float) -> None:
+        """A request ended, its journal line queued: the journal records it from now on."""
         if self._open.pop(call.request_id, None) is None:
             return
         self._write(orjson.dumps({"close": call.request_id}) + b"\n")

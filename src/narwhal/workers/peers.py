@@ -14,6 +14,8 @@ from narwhal.workers.status import peer_socket
 
 @dataclass(frozen=True, slots=True)
 class PeerAnswer:
+    """One worker's answer: its status and body."""
+
     status: int
     body: bytes
 

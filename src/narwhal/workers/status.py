@@ -65,6 +65,7 @@ class SlotStatus:
 
 
 def write_status(run_dir: Path, supervisor_pid: int, slots: list[SlotStatus]) -> None:
+    """Replace the status file whole, so a reader never sees half of one."""
     body = {"supervisor_pid": supervisor_pid, "slots": [asdict(slot) for slot in slots]}
     temporary = run_dir / (STATUS_FILE + ".tmp")
     temporary.write_bytes(orjson.dumps(body))
