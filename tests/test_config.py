@@ -81,7 +81,7 @@ def problem(data: object) -> str:
 def test_sections_left_out_take_their_documented_defaults() -> None:
     config = parse_config(MINIMAL)
     assert config.server == ServerConfig("127.0.0.1", 8000, 30.0, 30.0, (), ())
-    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 5.0, 30.0, True, None, None)
+    assert config.engine == EngineConfig(2.5, 10.0, 120.0, 5.0, 5.0, 1.0, 30.0, True, None, None)
     assert config.serving == ServingConfig(600.0, 1, 10, 0.1, 4_194_304, 1024, 30.0)
     assert config.recovery == RecoveryConfig(3, 0.5, 10.0, 1.0, 0.0, RestartPolicy.INDIVIDUAL)
     assert config.journal == JournalConfig(None)

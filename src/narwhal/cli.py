@@ -6,6 +6,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from narwhal.workers_config import Workers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="override server.port")
     serve.add_argument(
         "--skip-preflight", action="store_true", help="serve even if engine checks fail"
+    )
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        help="router processes on the port, or auto (one per usable core); "
+        "overrides server.workers",
     )
     _add_log_format(serve)
 
@@ -121,6 +131,15 @@ def _count(text: str) -> int:
     return value
 
 
+def _workers(text: str) -> Workers:
+    from narwhal.workers_config import parse_workers_flag
+
+    try:
+        return parse_workers_flag(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _span(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -146,7 +165,11 @@ def _bench(argv: list[str]) -> int:
         print("narwhal bench: needs a source checkout (benchmarks/)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(benchmarks))
-    status: int = importlib.import_module("router_bench").main(argv)
+    # `--workers N` compares one process with N workers (benchmarks/workers_bench.py).
+    harness = (
+        "workers_bench" if any(a.split("=")[0] == "--workers" for a in argv) else "router_bench"
+    )
+    status: int = importlib.import_module(harness).main(argv)
     return status
 
 
@@ -182,7 +205,14 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(
             runtime.run(
-                run_serve(args.config, args.host, args.port, skip_preflight=args.skip_preflight)
+                run_serve(
+                    args.config,
+                    args.host,
+                    args.port,
+                    skip_preflight=args.skip_preflight,
+                    workers=args.workers,
+                    log_format=args.log_format,
+                )
             )
         )
     if args.command == "chaos":

@@ -28,6 +28,7 @@ from narwhal.controller_config import (
     parse_slo,
 )
 from narwhal.tracing_config import TracingConfig, parse_tracing
+from narwhal.workers_config import Workers, parse_replicas, parse_workers
 
 
 class Role(enum.StrEnum):
@@ -77,6 +78,12 @@ class ServerConfig:
     admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Names an environment variable holding more client keys, comma-separated.
     api_keys_env: str | None = None
+    # The same for admin keys (a Kubernetes Secret mounted as a variable).
+    admin_api_keys_env: str | None = None
+    # Router processes on this port (`workers_config`); "auto": one per usable core.
+    workers: Workers = 1
+    # Router replicas sharing the fleet: each takes 1/replicas of every seat limit.
+    replicas: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +96,7 @@ class EngineConfig:
     connect_timeout_s: float = 5.0
     health_timeout_s: float = 5.0
     # How often each engine's own /metrics is read (its load, proof of KV use); 0: never.
-    metrics_interval_s: float = 5.0
+    metrics_interval_s: float = 1.0
     # vLLM 0.32's NixlConnector holds unpulled blocks for a 30 s lease
     # (`kv_connector_extra_config.kv_lease_duration`); older versions for 480 s.
     kv_lease_s: float = 30.0
@@ -353,6 +360,9 @@ def _server(table: Table) -> ServerConfig:
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
         api_keys_env=_env_name(table, "api_keys_env"),
+        admin_api_keys_env=_env_name(table, "admin_api_keys_env"),
+        workers=parse_workers(table),
+        replicas=parse_replicas(table),
     )
     table.close()
     return server

@@ -68,6 +68,11 @@ def summary(config: Config, source: str) -> str:
     ]
     if config.controller.enabled:
         lines.append(f"  role controller: {controller_summary(config.controller, config.slo)}")
+    if config.server.workers != 1 or config.server.replicas != 1:
+        lines.append(
+            f"  workers: {config.server.workers} per router, {config.server.replicas} router "
+            "replicas sharing every seat limit"
+        )
     if config.derived:
         lines.append(
             "  (derived): unset, so clamped from the default to fit the key it must not exceed"

@@ -29,14 +29,12 @@ class Secrets:
 
 
 def load_secrets(config: Config, environ: Mapping[str, str]) -> Secrets:
-    client = list(config.server.api_keys)
-    server_env = config.server.api_keys_env
-    if server_env is not None:
-        value = environ.get(server_env, "")
-        keys = [key.strip() for key in value.split(",") if key.strip()]
-        if not keys:
-            raise SecretsError(f"server.api_keys_env names {server_env}, which is unset or empty")
-        client += keys
+    client = list(config.server.api_keys) + _keys(
+        environ, "api_keys_env", config.server.api_keys_env
+    )
+    admin = list(config.server.admin_api_keys) + _keys(
+        environ, "admin_api_keys_env", config.server.admin_api_keys_env
+    )
     engine_key = None
     engine_env = config.engine.api_key_env
     if engine_env is not None:
@@ -45,9 +43,19 @@ def load_secrets(config: Config, environ: Mapping[str, str]) -> Secrets:
             raise SecretsError(f"engine.api_key_env names {engine_env}, which is unset or empty")
     return Secrets(
         client_keys=tuple(key.encode() for key in client),
-        admin_keys=tuple(key.encode() for key in config.server.admin_api_keys),
+        admin_keys=tuple(key.encode() for key in admin),
         engine_key=engine_key,
     )
+
+
+def _keys(environ: Mapping[str, str], key: str, variable: str | None) -> list[str]:
+    """The comma-separated keys in the variable `server.<key>` names (none if it names none)."""
+    if variable is None:
+        return []
+    keys = [part.strip() for part in environ.get(variable, "").split(",") if part.strip()]
+    if not keys:
+        raise SecretsError(f"server.{key} names {variable}, which is unset or empty")
+    return keys
 
 
 def bearer_allowed(header: str | None, keys: tuple[bytes, ...]) -> bool:

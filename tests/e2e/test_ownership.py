@@ -27,7 +27,7 @@ async def test_state_shows_engines_seats_queue_and_budget(make_stack: StackFacto
         assert [e["id"] for e in state["engines"]] == ["p0", "d0"]
         p0 = state["engines"][0]
         assert p0["role"] == "prefill" and p0["state"] == "admitted"
-        assert p0["seats"]["prefill"] == {"in_use": 0, "limit": 64}
+        assert p0["seats"]["prefill"] == {"in_use": 0, "limit": 64, "share": 64}
         assert state["queued"] == 0 and state["retry_budget"]["credit"] == 10
 
 

@@ -111,6 +111,19 @@ def test_keys_are_read_from_the_named_environment_variables() -> None:
         load_secrets(config, {"CLIENT_KEYS": "b"})
 
 
+def test_admin_keys_can_come_from_a_variable_too() -> None:
+    config = parse_config(
+        {
+            "model": MODEL,
+            "server": {"admin_api_keys": ["x"], "admin_api_keys_env": "ADMIN_KEYS"},
+            "engines": [{"id": "b0", "url": "http://127.0.0.1:9", "role": "both"}],
+        }
+    )
+    assert load_secrets(config, {"ADMIN_KEYS": "y,z"}).admin_keys == (b"x", b"y", b"z")
+    with pytest.raises(SecretsError, match="admin_api_keys_env names ADMIN_KEYS, which is unset"):
+        load_secrets(config, {})
+
+
 def test_bearer_matching_is_exact() -> None:
     keys = (b"alpha", b"beta")
     assert bearer_allowed("Bearer beta", keys)

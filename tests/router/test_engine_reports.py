@@ -64,3 +64,13 @@ def test_readings_accumulate_tokens_and_report_silence_as_an_engine_event() -> N
     assert d0.silent_recomputes == 1
     assert [(e.kind, e.engine) for e in events] == [("silent_recompute", "d0")]
     assert events[0].detail.startswith("4 crossed decodes moved no KV")
+
+
+def test_a_reading_counts_what_the_engine_has_beyond_this_routers_seats_as_others() -> None:
+    fleet = Fleet([EngineSpec("d0", "http://127.0.0.1:1", Role.DECODE, max_decode_seats=8)])
+    reports = EngineReports(fleet, None, 5.0, 1.0)  # type: ignore[arg-type]
+    d0 = fleet.by_id["d0"]
+    d0.decode_seats = 2
+    reports.record(d0, EngineReport(running=5, waiting=1))
+    assert d0.others == 4
+    assert d0.load() == pytest.approx(2 / 8 + 4 / 8)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.admin import add_admin_routes
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
+from narwhal.router.seat_share import SeatShare
 from narwhal.secrets import Secrets, bearer_allowed
 
 if TYPE_CHECKING:
@@ -76,11 +78,15 @@ def authentication(secrets: Secrets) -> Middleware:
     return authenticate
 
 
-def build_app(router: Router, secrets: Secrets) -> web.Application:
+def build_app(
+    router: Router, secrets: Secrets, extra: Sequence[Middleware] = ()
+) -> web.Application:
+    """`extra` middlewares run after authentication (a worker's fan-out to its peers)."""
     config = router.config
     middlewares: list[Middleware] = [openai_errors]
     if secrets.client_keys or secrets.admin_keys:
         middlewares.insert(0, authentication(secrets))
+    middlewares[-1:-1] = extra
     app = web.Application(client_max_size=config.serving.max_request_bytes, middlewares=middlewares)
     created = int(time.time())
 
@@ -148,14 +154,32 @@ class RouterServer:
         secrets: Secrets | None = None,
         config_path: Path | None = None,
         tracing: Tracing | None = None,
+        listener: socket.socket | None = None,
+        peer_path: str | None = None,
+        middlewares: Sequence[Middleware] = (),
+        journal_stamp: Mapping[str, object] | None = None,
+        seat_share: SeatShare | None = None,
     ) -> None:
         """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads.
         `tracing`: a tracer of the caller's (tests give one that keeps spans in memory);
-        by default `[tracing]` and the OTEL_* environment decide."""
+        by default `[tracing]` and the OTEL_* environment decide. A worker process passes
+        its bound `listener` (shared with the other workers), the Unix socket path its peers
+        reach it at, its fan-out middleware, the keys it stamps on its journal lines and its
+        part of the seat limits."""
         self.secrets = secrets or Secrets()
-        self.router = Router(config, self.secrets, config_path, tracing=tracing)
+        self.router = Router(
+            config,
+            self.secrets,
+            config_path,
+            tracing=tracing,
+            journal_stamp=journal_stamp,
+            seat_share=seat_share,
+        )
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port
+        self._listener = listener
+        self._peer_path = peer_path
+        self._middlewares = tuple(middlewares)
         self._runner: web.AppRunner | None = None
 
     @property
@@ -166,16 +190,22 @@ class RouterServer:
         # The keep-alive timer runs from a connection's opening (or last answer) until a
         # request's headers are complete: it bounds idle and slow-header clients alike.
         self._runner = web.AppRunner(
-            build_app(self.router, self.secrets),
+            build_app(self.router, self.secrets, self._middlewares),
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=self.router.config.server.client_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
-        await site.start()
-        if self.port == 0:
-            self.port = bound_port(site)
+        if self._listener is not None:
+            await web.SockSite(self._runner, self._listener, backlog=4096).start()
+            self.port = self._listener.getsockname()[1]
+        else:
+            site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+            await site.start()
+            if self.port == 0:
+                self.port = bound_port(site)
+        if self._peer_path is not None:
+            await web.UnixSite(self._runner, self._peer_path).start()
 
     async def stop(self) -> None:
         if self._runner is not None:

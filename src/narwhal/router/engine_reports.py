@@ -21,6 +21,7 @@ import aiohttp
 
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE, EngineReport, moved, read_report
 from narwhal.router.fleet import Engine, EngineEvent, Fleet
+from narwhal.router.seat_share import others_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,9 @@ class EngineReports:
         previous = engine.report
         engine.report = report
         engine.reported_waiting = report.waiting or 0.0
+        engine.others = others_load(
+            report.running, report.waiting, engine.prefill_seats + engine.decode_seats
+        )
         if previous is not None:
             for source in report.prompt_tokens:
                 engine.prompt_tokens[source] = engine.prompt_tokens.get(source, 0.0) + moved(

@@ -35,6 +35,7 @@ from enum import StrEnum
 from narwhal.config import EngineSpec, Role
 from narwhal.engines.scrape import EngineReport
 from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.seat_share import WHOLE, SeatShare
 
 NOT_YET_PROBED = "added at runtime: waiting for its first probe"
 
@@ -68,6 +69,10 @@ class Engine:
     held: bool = False
     # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
     reported_waiting: float = 0.0
+    # Requests on it that other routers (or workers) sent, by its last report.
+    others: float = 0.0
+    # This process's part of its seat limits (see `seat_share`).
+    share: SeatShare = WHOLE
     # The engine's last `/metrics` reading, and its prompt tokens by source since the first
     # (see `engine_reports`); the crossed decodes the router sent it, to compare.
     report: EngineReport | None = None
@@ -140,23 +145,38 @@ class Engine:
         """Whether any request holds one of its seats."""
         return bool(self.prefill_seats or self.decode_seats)
 
+    def seat_limit(self, phase: Phase) -> int | None:
+        """This process's seats of the phase (its share of the engine's limit); None:
+        unlimited."""
+        limit = (
+            self.spec.max_prefill_seats if phase is Phase.PREFILL else self.spec.max_decode_seats
+        )
+        return self.share.of(limit)
+
     def has_seat(self, phase: Phase) -> bool:
-        if phase is Phase.PREFILL:
-            limit, used = self.spec.max_prefill_seats, self.prefill_seats
-        else:
-            limit, used = self.spec.max_decode_seats, self.decode_seats
-        return limit == 0 or used < limit
+        used = self.prefill_seats if phase is Phase.PREFILL else self.decode_seats
+        limit = self.seat_limit(phase)
+        return limit is None or used < limit
 
     def load(self) -> float:
-        """Fraction of seats in use (raw count where unlimited) plus the engine's own queue."""
+        """Fraction of this process's seats in use (a raw count where unlimited), plus the
+        requests others have on the engine as a fraction of its whole capacity."""
+        capacity = sum(
+            limit
+            for phase, limit in (
+                (Phase.PREFILL, self.spec.max_prefill_seats),
+                (Phase.DECODE, self.spec.max_decode_seats),
+            )
+            if self.serves(phase)
+        )
         return (
-            _fraction(self.prefill_seats, self.spec.max_prefill_seats)
-            + _fraction(self.decode_seats, self.spec.max_decode_seats)
-            + self.reported_waiting
+            _fraction(self.prefill_seats, self.seat_limit(Phase.PREFILL) or 0)
+            + _fraction(self.decode_seats, self.seat_limit(Phase.DECODE) or 0)
+            + _fraction(self.others, capacity)
         )
 
 
-def _fraction(used: int, limit: int) -> float:
+def _fraction(used: float, limit: int) -> float:
     return used / limit if limit else float(used)
 
 
@@ -235,8 +255,11 @@ class Fleet:
         queue_capacity: int = 1024,
         queue_timeout_s: float = 30.0,
         rng: random.Random | None = None,
+        share: SeatShare = WHOLE,
     ) -> None:
-        self.engines = [_engine(spec) for spec in specs]
+        """`share`: this process's part of every engine's seat limits."""
+        self.share = share
+        self.engines = [_engine(spec, share) for spec in specs]
         self.by_id = {engine.id: engine for engine in self.engines}
         self.queue_capacity = queue_capacity
         self.queue_timeout_s = queue_timeout_s
@@ -280,7 +303,7 @@ class Fleet:
         """A new engine, out of placement until readmission has judged it as it judges a
         restarted one (health, the pinned contract, a real transfer with a partner): an
         operator's typo in a url or a model must not cost requests."""
-        engine = _engine(spec)
+        engine = _engine(spec, self.share)
         engine.ejected, engine.ejection_reason = True, NOT_YET_PROBED
         self.engines.append(engine)
         self.by_id[engine.id] = engine
@@ -468,8 +491,8 @@ class Fleet:
             self._waking = False
 
 
-def _engine(spec: EngineSpec) -> Engine:
-    return Engine(spec, pinned=spec.pin, acting=spec.start_as)
+def _engine(spec: EngineSpec, share: SeatShare) -> Engine:
+    return Engine(spec, pinned=spec.pin, acting=spec.start_as, share=share)
 
 
 def _now() -> float:

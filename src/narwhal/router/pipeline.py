@@ -12,6 +12,7 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
 from narwhal.router.rescue import Rescue
+from narwhal.router.seat_share import SeatShare
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
 from narwhal.tracing_config import resolve_tracing
@@ -84,7 +86,11 @@ class Router:
         config_path: Path | None = None,
         *,
         tracing: Tracing | None = None,
+        journal_stamp: Mapping[str, object] | None = None,
+        seat_share: SeatShare | None = None,
     ) -> None:
+        """`seat_share`: a worker's part of the seat limits; by default, the replica's
+        (`server.replicas`)."""
         # The configuration the router started with; the engine list lives in `fleet`, which
         # operators change at runtime (`operations`, re-reading `config_path` on reload).
         self.config = config
@@ -94,6 +100,7 @@ class Router:
             config.engines,
             queue_capacity=config.serving.queue_capacity,
             queue_timeout_s=config.serving.queue_timeout_s,
+            share=seat_share or SeatShare(replicas=config.server.replicas),
         )
         timeouts = config.engine
         self.client = EngineClient(
@@ -115,7 +122,9 @@ class Router:
         self.readmission = Readmission(config, self.fleet, self.client)
         self._readmitting: asyncio.Task[None] | None = None
         self._reading: asyncio.Task[None] | None = None
-        self.journal = Journal(Path(config.journal.path) if config.journal.path else None)
+        self.journal = Journal(
+            Path(config.journal.path) if config.journal.path else None, journal_stamp
+        )
         self.in_flight = 0
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -134,6 +143,8 @@ class Router:
         ]
         # Told as each request's first token goes out to its client.
         self.first_token_hooks: list[CallHook] = []
+        # As each request arrives, before anything can fail (a worker's ledger).
+        self.arrival_hooks: list[Callable[[Call], None]] = []
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
@@ -201,6 +212,8 @@ class Router:
         elif traceparent is not None:
             call.trace_lines = passthrough(traceparent, headers.get("tracestate"))
         self.in_flight += 1
+        for arrived in self.arrival_hooks:
+            arrived(call)
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)

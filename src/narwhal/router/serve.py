@@ -14,11 +14,20 @@ from narwhal.config import ConfigError, load_config
 from narwhal.preflight import format_report, run_preflight
 from narwhal.router.app import RouterServer, reload_signal, stop_signal
 from narwhal.secrets import SecretsError, load_secrets
+from narwhal.workers_config import Workers, conflict, resolve_workers
 
 
 async def run_serve(
-    path: Path, host: str | None, port: int | None, *, skip_preflight: bool = False
+    path: Path,
+    host: str | None,
+    port: int | None,
+    *,
+    skip_preflight: bool = False,
+    workers: Workers | None = None,
+    log_format: str = "text",
 ) -> int:
+    """`workers`: the `--workers` flag, over `server.workers`; more than one runs a
+    supervisor and that many router processes on the port (`narwhal.workers`)."""
     try:
         config = load_config(path)
     except ConfigError as error:
@@ -35,6 +44,22 @@ async def run_serve(
             print(format_report(rows), file=sys.stderr)
             print("preflight failed; not serving (--skip-preflight overrides)", file=sys.stderr)
             return 1
+    count = resolve_workers(workers if workers is not None else config.server.workers)
+    problem = conflict(count, config.controller.enabled)
+    if problem is not None:
+        print(f"{path}: {problem}", file=sys.stderr)
+        return 2
+    if count > 1:
+        from narwhal.workers.supervisor import run_supervised
+
+        return await run_supervised(
+            config,
+            path,
+            host if host is not None else config.server.host,
+            port if port is not None else config.server.port,
+            count,
+            log_format,
+        )
     stopping = stop_signal()
     server = RouterServer(config, host, port, secrets=secrets, config_path=path)
     reload_signal(server)

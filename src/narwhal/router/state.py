@@ -75,16 +75,21 @@ def engine_entry(
         "pinned": engine.pinned,
         # A reload dropped it from the config file: deleted once drained.
         "removing": engine.remove_when_drained,
+        # `limit`: the engine's (0: none); `share`: this process's part of it (`seat_share`).
         "seats": {
             "prefill": {
                 "in_use": engine.prefill_seats,
                 "limit": engine.spec.max_prefill_seats,
+                "share": engine.seat_limit(Phase.PREFILL),
             },
             "decode": {
                 "in_use": engine.decode_seats,
                 "limit": engine.spec.max_decode_seats,
+                "share": engine.seat_limit(Phase.DECODE),
             },
         },
+        # Requests other routers have on it, by its last report.
+        "others": engine.others,
         "failures": dict(engine.failures),
         "reported": _reported(engine),
         "kv": _kv_use(engine),

@@ -1,0 +1,109 @@
+"""Merging the workers' `/narwhal/state`: what each holds adds up; where they differ shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal.workers.merge_state import merge_states
+
+
+def engine(state: str = "admitted", in_use: int = 0, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "d0",
+        "url": "http://d0",
+        "role": "decode",
+        "acting": "decode",
+        "state": state,
+        "quarantined_for_s": 0.0,
+        "streak": 0,
+        "ejection_reason": None,
+        "ejections": 0,
+        "spared": 0,
+        "panic_placements": 0,
+        "refusing": False,
+        "probes": {},
+        "pinned": False,
+        "removing": False,
+        "seats": {
+            "prefill": {"in_use": 0, "limit": 0, "share": None},
+            "decode": {"in_use": in_use, "limit": 8, "share": 4},
+        },
+        "others": 0.0,
+        "failures": {},
+        "reported": None,
+        "kv": {
+            "crossed_decodes": 0,
+            "prompt_tokens": {},
+            "transfer_share": None,
+            "silent_recomputes": 0,
+        },
+        "abandoned": None,
+        **extra,
+    }
+
+
+def snapshot(in_flight: int, engines: list[dict[str, Any]], p90: float | None) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "in_flight": in_flight,
+        "queued": 0,
+        "queue_capacity": 64,
+        "open_engine_legs": in_flight,
+        "degraded": False,
+        "can_serve": True,
+        "engine_contract": None,
+        "retry_budget": {"credit": 10.0, "size": 10, "spent": 1, "denied": 0},
+        "recent": {
+            "window_s": 300.0,
+            "bucket_s": 10.0,
+            "requests": in_flight,
+            "rate_per_s": 1.0,
+            "outcomes": {"ok": in_flight},
+            "handoffs": {},
+            "ttft_s": None if p90 is None else {"p50": p90 / 2, "p90": p90, "p99": p90},
+            "first_byte_s": None,
+            "series": [{"ago_s": 0.0, "ok": in_flight}],
+        },
+        "engines": engines,
+        "controller": {"enabled": False},
+    }
+
+
+def test_what_each_worker_holds_adds_up() -> None:
+    merged = merge_states(
+        {
+            0: snapshot(2, [engine(in_use=2, failures={"refused": 1})], None),
+            1: snapshot(3, [engine(in_use=3, failures={"refused": 2, "decode": 1})], 0.4),
+        }
+    )
+    assert merged["in_flight"] == 5 and merged["open_engine_legs"] == 5
+    assert merged["retry_budget"] == {"credit": 20.0, "size": 20, "spent": 2, "denied": 0}
+    (d0,) = merged["engines"]
+    assert d0["seats"]["decode"] == {"in_use": 5, "limit": 8, "share": 8}
+    assert d0["seats"]["prefill"]["share"] is None
+    assert d0["failures"] == {"refused": 3, "decode": 1}
+    assert merged["recent"]["requests"] == 5
+    assert merged["recent"]["series"] == [{"ago_s": 0.0, "ok": 5}]
+    assert merged["recent"]["ttft_s"] == {"p50": 0.2, "p90": 0.4, "p99": 0.4}
+
+
+def test_workers_that_judge_an_engine_differently_show_it_at_its_worst() -> None:
+    merged = merge_states(
+        {
+            0: snapshot(0, [engine("admitted")], None),
+            1: snapshot(0, [engine("ejected", streak=3, ejection_reason="3 failures")], None),
+        }
+    )
+    (d0,) = merged["engines"]
+    assert d0["state"] == "ejected"
+    assert d0["worker_states"] == {"0": "admitted", "1": "ejected"}
+    assert d0["streak"] == 3 and d0["ejection_reason"] == "3 failures"
+
+
+def test_an_engine_only_some_workers_know_is_listed_once() -> None:
+    other = {**engine(), "id": "d1"}
+    merged = merge_states(
+        {0: snapshot(0, [engine()], None), 1: snapshot(0, [engine(), other], None)}
+    )
+    assert [e["id"] for e in merged["engines"]] == ["d0", "d1"]
+    assert merged["engines"][1]["worker_states"] == {"1": "admitted"}
