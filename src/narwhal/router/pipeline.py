@@ -19,8 +19,9 @@ import orjson
 from aiohttp import web
 
 from narwhal.config import Config
-from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads, new_request_id
+from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
+from narwhal.engines.decode_stream import DecodeStream, collect_payloads
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.protocol.tracecontext import passthrough
