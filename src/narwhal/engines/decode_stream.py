@@ -19,7 +19,6 @@ from narwhal.protocol.sse import (
     SseDecoder,
     SseError,
     SseEvent,
-    block_payloads,
     classify,
     classify_after_first_output,
 )
@@ -198,20 +197,6 @@ async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]
         for payload in payloads:
             if payload is not None:
                 yield payload
-
-
-async def collect_payloads(stream: DecodeStream) -> list[dict[str, Any]]:
-    """Every chunk of a stream, parsed once it has ended (a non-streaming answer's input),
-    the usage chunk included."""
-    blocks = [data async for data in stream]
-    try:
-        payloads = block_payloads(b"".join(blocks))
-    except SseError as exc:
-        # Relayed events only had their framing checked; here each must parse.
-        raise bad_stream(exc, stream.engine) from None
-    if stream.usage_chunk is not None:
-        payloads.append(stream.usage_chunk)
-    return payloads
 
 
 class _Watchdog:

@@ -15,18 +15,19 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
 from narwhal.config import Config
 from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
-from narwhal.engines.decode_stream import DecodeStream, collect_payloads
+from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
+from narwhal.protocol.sse import SseError
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
-from narwhal.router.assemble import Assembler
+from narwhal.router.assemble import answer_body
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
@@ -259,7 +260,7 @@ class Router:
                 if client_request.stream:
                     response = await _relay(request, call, stream)
                 else:
-                    response = _assemble(call, await _collect(stream, call))
+                    response = await _collect(stream, call)
         except NarwhalError as error:
             self._blame(error, reservation)
             raise
@@ -493,22 +494,18 @@ async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.
     return response
 
 
-async def _collect(stream: DecodeStream, call: Call) -> Assembler:
-    assembler = Assembler(call.endpoint)
-    for payload in await collect_payloads(stream):
-        assembler.add(payload)
-    if stream.usage is not None:
-        assembler.usage = stream.usage
-    return assembler
-
-
-def _assemble(call: Call, assembler: Assembler) -> web.Response:
-    call.output_tokens = _completion_tokens(assembler.usage)
+async def _collect(stream: DecodeStream, call: Call) -> web.Response:
+    """The whole stream, then one answer shaped as the engine's own non-streaming one."""
+    block = b"".join([data async for data in stream])
+    try:
+        body, usage = answer_body(call.endpoint, block, stream.usage_chunk, stream.usage)
+    except SseError as exc:
+        # Relayed events only had their framing checked; here each must parse.
+        raise bad_stream(exc, stream.engine) from None
+    call.output_tokens = _completion_tokens(usage)
     call.status = 200
     return web.Response(
-        body=orjson.dumps(assembler.result()),
-        content_type="application/json",
-        headers={"X-Request-Id": call.request_id},
+        body=body, content_type="application/json", headers={"X-Request-Id": call.request_id}
     )
 
 
