@@ -70,7 +70,19 @@ class DecodeStream:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
+        try:
+            if self.done:
+                await self._finish()
+        finally:
+            self.close()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next block (or the end) is already here: taking it waits for nothing.
+
+        A relay can hold a block while this is true and write it with the next one.
+        """
+        return self.done or self._first is not None or self._decoder.ready()
 
     def close(self) -> None:
         """Release the connection to the pool after [DONE]; otherwise close it (aborts)."""
@@ -117,11 +129,13 @@ class DecodeStream:
                 raise bad_stream(exc, self.engine) from None
             if events:
                 return _joined(events)
-        await self._finish()
         raise StopAsyncIteration
 
     async def _finish(self) -> None:
-        """After [DONE], read to the end of the answer so the connection can be reused."""
+        """After [DONE], read to the end of the answer so the connection can be reused.
+
+        Done on leaving the stream's context, so that what came before [DONE] is not held
+        back waiting for the engine to end its answer."""
         try:
             while await self._connection.read():
                 pass
