@@ -38,6 +38,8 @@ class BenchOptions:
     # Also run Narwhal with tracing on ("narwhal-traced"), exporting to an OTLP sink.
     tracing: bool = False
     tracing_ratio: float = 1.0
+    # Also run Narwhal once per optional feature, flipped from its default (bench_matrix).
+    matrix: bool = False
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ def _mib(size: int | None) -> str:
     return "n/a" if size is None else f"{size / 2**20:.1f} MiB"
 
 
-def _number(value: float | None, digits: int = 3) -> str:
+def number(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -60,9 +60,9 @@ def format_report(report: BenchReport) -> str:
     ]
     for s in report.summaries:
         cost.append(
-            f"{s.name:<14}{_number(s.router_cpu_s, 2):>8}"
-            f"{_number(s.router_cpu_s_per_1k_requests):>10}"
-            f"{_number(s.router_cpu_s_per_1k_tokens, 5):>13}{_mib(s.router_rss_bytes):>12}"
+            f"{s.name:<14}{number(s.router_cpu_s, 2):>8}"
+            f"{number(s.router_cpu_s_per_1k_requests):>10}"
+            f"{number(s.router_cpu_s_per_1k_tokens, 5):>13}{_mib(s.router_rss_bytes):>12}"
             f"{s.load_cpu_percent:>5.0f}%{s.load_cpu_s_per_1k_tokens:>10.5f}"
             f"{s.producer_cpu_percent:>9.0f}%{s.consumer_cpu_percent:>9.0f}%"
             f"{s.consumer_cpu_s_per_1k_tokens:>12.5f}"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,10 @@ async def wait_healthy(proc: Proc | None, url: str) -> None:
     raise RuntimeError(f"{proc.name if proc else url} did not become healthy at {url}{log}")
 
 
+Settings = Mapping[str, Mapping[str, object]]
+"""Configuration keys by table, e.g. `{"engine": {"metrics_interval_s": 0}}`."""
+
+
 def narwhal_config(
     producer: str,
     consumer: str,
@@ -86,46 +91,45 @@ def narwhal_config(
     queue: int = 1024,
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
+    settings: Settings | None = None,
 ) -> str:
     """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
     idle streams need the silence check off and room to open thousands of first tokens.
-    Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say)."""
-    tracing = "enabled = false"
+    Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say).
+    `settings` adds keys (or overrides these), table by table."""
+    tracing: dict[str, object] = {"enabled": False}
     if traces_to:
-        tracing = f'enabled = true\nendpoint = "{traces_to}"\nsample_ratio = {sample_ratio}'
-    first_token_s = 120.0 if idle else 30.0
-    decode_read_s = 0.0 if idle else 10.0
-    request_s = 3600.0 if idle else 600.0
-    return f"""\
-model = "{MODEL}"
+        tracing = {"enabled": True, "endpoint": traces_to, "sample_ratio": sample_ratio}
+    tables: dict[str, dict[str, object]] = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "engine": {
+            "first_token_timeout_s": 120.0 if idle else 30.0,
+            "decode_read_timeout_s": 0.0 if idle else 10.0,
+        },
+        "serving": {"request_timeout_s": 3600.0 if idle else 600.0, "queue_capacity": queue},
+        "tracing": tracing,
+    }
+    for table, keys in (settings or {}).items():
+        tables.setdefault(table, {}).update(keys)
+    engines = [
+        {"id": "producer", "url": producer, "role": "prefill", "max_prefill_seats": 0},
+        {"id": "consumer", "url": consumer, "role": "decode", "max_decode_seats": 0},
+    ]
+    lines = [f"model = {_toml(MODEL)}"]
+    for table, keys in tables.items():
+        lines += ["", f"[{table}]", *(f"{key} = {_toml(value)}" for key, value in keys.items())]
+    for engine in engines:
+        lines += ["", "[[engines]]", *(f"{key} = {_toml(value)}" for key, value in engine.items())]
+    return "\n".join(lines) + "\n"
 
-[server]
-host = "127.0.0.1"
-port = {port}
 
-[engine]
-first_token_timeout_s = {first_token_s}
-decode_read_timeout_s = {decode_read_s}
-
-[serving]
-request_timeout_s = {request_s}
-queue_capacity = {queue}
-
-[tracing]
-{tracing}
-
-[[engines]]
-id = "producer"
-url = "{producer}"
-role = "prefill"
-max_prefill_seats = 0
-
-[[engines]]
-id = "consumer"
-url = "{consumer}"
-role = "decode"
-max_decode_seats = 0
-"""
+def _toml(value: object) -> str:
+    """A TOML scalar: JSON's spelling of strings and numbers is TOML's too."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return json.dumps(value)
+    raise TypeError(f"no TOML scalar for {value!r}")
 
 
 async def start_narwhal(
@@ -138,6 +142,7 @@ async def start_narwhal(
     name: str = "narwhal",
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
+    settings: Settings | None = None,
 ) -> tuple[Proc, str]:
     port = free_port()
     config = workdir / f"{name}.toml"
@@ -150,6 +155,7 @@ async def start_narwhal(
             queue=queue,
             traces_to=traces_to,
             sample_ratio=sample_ratio,
+            settings=settings,
         )
     )
     argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]

@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 import uvloop
 from bench_load import BatchResult, Target, bucket_seconds
+from bench_matrix import add_matrix, format_matrix
 from bench_model import DEFAULT_MAX_TOKENS, SHAPES, BenchOptions, BenchReport, Party, Summary
 from bench_procs import MODEL, cpu_seconds, raise_open_files_limit, rss_bytes
 from bench_report import _mib, format_report, plot, report_json
@@ -220,13 +221,14 @@ async def _run_bench(options: BenchOptions, workdir: Path) -> BenchReport:
     settings = sim_settings(options, options.concurrency, options.max_tokens)
     say = _printer(options.quiet)
     async with contextlib.AsyncExitStack() as stack:
-        sink = await stack.enter_async_context(otlp_sink()) if options.tracing else None
+        traced = options.tracing or options.matrix
+        sink = await stack.enter_async_context(otlp_sink()) if traced else None
         bench = await stack.enter_async_context(
             fleet(settings, options.producer_port, options.consumer_port, workdir)
         )
         report = await _run_targets(bench, options, say, sink[0] if sink else None)
         if sink is not None:
-            say(f"narwhal-traced sent {sink[1][0]} OTLP export requests")
+            say(f"traced routers sent {sink[1][0]} OTLP export requests")
         return report
 
 
@@ -242,7 +244,8 @@ async def _run_targets(
             bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, bench.workdir)
         )
         say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
-    if traces_to is not None:
+    if options.tracing:
+        assert traces_to is not None
         traced = start_narwhal(
             bench.producer_url,
             bench.consumer_url,
@@ -253,6 +256,8 @@ async def _run_targets(
         )
         url = await add_router(bench, "narwhal-traced", traced)
         say(f"narwhal-traced: {url}, spans to {traces_to}")
+    if options.matrix:
+        await add_matrix(bench, traces_to, say)
     await add_peers(bench, options, say)
     pids = dict(options.target_pids)
     for name, url in options.targets:
@@ -474,6 +479,7 @@ def parser() -> argparse.ArgumentParser:
     add("--no-direct", dest="direct", action="store_false", help="skip the direct path")
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
     add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
+    add("--matrix", action="store_true", help="also run Narwhal with each optional feature flipped")
     add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
@@ -516,6 +522,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         load_processes=args.load_processes,
         warmup=args.warmup,
         tracing=args.tracing,
+        matrix=args.matrix,
         tracing_ratio=args.tracing_ratio,
     )
 
@@ -539,6 +546,9 @@ async def _main(args: argparse.Namespace) -> int:
         report = await run_bench(options, workdir)
     print()
     print(format_report(report))
+    if options.matrix:
+        print()
+        print(format_matrix(report))
     if args.json:
         args.json.write_bytes(report_json(report))
         print(f"figures written to {args.json}")
