@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -35,6 +34,7 @@ from narwhal.engines.leg_errors import bad_stream, error_object, status_error, t
 from narwhal.engines.prefill_answer import parse_prefill_answer
 from narwhal.protocol.bodies import decode_body, prefill_body
 from narwhal.protocol.errors import Cause, engine_error
+from narwhal.protocol.ids import new_id
 from narwhal.protocol.sse import (
     EventKind,
     SseDecoder,
@@ -51,7 +51,7 @@ MAX_HELD_BYTES = 1 << 20
 
 def new_request_id() -> str:
     """A fresh backend request id: one per attempt, shared by both of its legs."""
-    return uuid.uuid4().hex
+    return new_id()
 
 
 class EngineClient:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
+from narwhal.protocol.ids import new_id
 from narwhal.protocol.sse import SseError
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
@@ -170,7 +170,7 @@ class Router:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one client request and record its one outcome, on every path."""
         call = Call(
-            request_id=uuid.uuid4().hex,
+            request_id=new_id(),
             client_request_id=request.headers.get("X-Request-Id"),
             endpoint=endpoint,
             arrival=time.perf_counter(),
@@ -221,7 +221,8 @@ class Router:
             call.finish(now)
             if call.trace is not None:
                 call.trace.end(call, now)
-            self.journal.record(call.entry(now))
+            if self.journal.writing:
+                self.journal.record(call.entry(now))
             for hook in self.call_hooks:
                 hook(call, now)
 
