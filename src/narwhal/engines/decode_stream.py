@@ -13,7 +13,7 @@ from typing import Any, Self
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.http import Connection, HttpError
 from narwhal.engines.leg_errors import bad_stream, error_object
-from narwhal.protocol.errors import Cause, engine_error
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.sse import (
     EventKind,
     SseDecoder,
@@ -27,12 +27,13 @@ from narwhal.protocol.sse import (
 class DecodeStream:
     """An open decode leg past its first token: engine bytes out, failures raised.
 
-    Iterating yields, per transport read, the bytes to forward: whole events exactly as
-    the engine sent them, never `[DONE]` or an error object. A read whose complete events
-    need no decision is forwarded as one block without per-event work (see
-    `SseDecoder.feed_plain`). Silence between reads longer than `read_timeout_s`
-    (0 = unbounded) ends the stream with a 504. One clock read per chunk serves the
-    watchdog and the gap count (`gaps`, shared by the client's streams).
+    Iterating yields the bytes to forward: whole events exactly as the engine sent them,
+    never `[DONE]` or an error object, everything that has arrived in one block (a block
+    after which `done` is true is the last). A run of complete events that need no decision
+    is taken without per-event work (see `SseDecoder.feed_plain`). Silence between reads
+    longer than `read_timeout_s` (0 = unbounded) ends the stream with a 504. One clock read
+    per chunk serves the watchdog and the gap count (`gaps`, shared by the client's
+    streams).
     """
 
     def __init__(
@@ -57,6 +58,8 @@ class DecodeStream:
         self._first: list[SseEvent] | None = first
         # The decoder may still hold events that arrived with the first token.
         self._buffered = True
+        # A failure found after bytes that are still to be forwarded: raised next.
+        self._failure: NarwhalError | None = None
         self._drop_usage = drop_usage
         self._on_close: Callable[[], None] | None = on_close
         self._gaps = gaps
@@ -76,14 +79,6 @@ class DecodeStream:
         finally:
             self.close()
 
-    @property
-    def ready(self) -> bool:
-        """Whether the next block (or the end) is already here: taking it waits for nothing.
-
-        A relay can hold a block while this is true and write it with the next one.
-        """
-        return self.done or self._first is not None or self._decoder.ready()
-
     def close(self) -> None:
         """Release the connection to the pool after [DONE]; otherwise close it (aborts)."""
         if self._watchdog is not None:
@@ -100,14 +95,19 @@ class DecodeStream:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        parts: list[bytes] = []
         if self._first is not None:
-            events, self._first = self._first, None
-            return _joined(events)
-        decoder = self._decoder
+            parts.append(_joined(self._first))
+            self._first = None
         while not self.done:
             if self._buffered:
                 self._buffered = False
                 chunk = b""
+            elif parts:
+                break  # the rest needs a read: what has arrived goes out first
             else:
                 chunk = await self._read()
                 now = self._loop.time()
@@ -115,21 +115,37 @@ class DecodeStream:
                 self._last_read = now
                 if self._watchdog is not None:
                     self._watchdog.last = now
-            plain = decoder.feed_plain(chunk)
-            if decoder.ready():
-                self._buffered = True
-            if plain:
-                return plain
-            if not self._buffered:
-                continue
-            self._buffered = False
             try:
-                events = self._decide(decoder.feed(b""))
-            except SseError as exc:
-                raise bad_stream(exc, self.engine) from None
-            if events:
-                return _joined(events)
-        raise StopAsyncIteration
+                block = self._take(chunk)
+            except NarwhalError as failure:
+                if not parts:
+                    raise
+                # What arrived before the failure is forwarded first; it is raised next.
+                self._failure = failure
+                break
+            if block:
+                parts.append(block)
+        if not parts:
+            raise StopAsyncIteration
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _take(self, chunk: bytes) -> bytes:
+        """The bytes to forward out of `chunk` and what the decoder holds, without waiting.
+
+        A run of plain events is taken whole; events that need a decision are decided.
+        """
+        decoder = self._decoder
+        plain = decoder.feed_plain(chunk)
+        if decoder.ready():
+            self._buffered = True
+        if plain or not self._buffered:
+            return plain
+        self._buffered = False
+        try:
+            events = self._decide(decoder.feed(b""))
+        except SseError as exc:
+            raise bad_stream(exc, self.engine) from None
+        return _joined(events) if events else b""
 
     async def _finish(self) -> None:
         """After [DONE], read to the end of the answer so the connection can be reused.

@@ -490,23 +490,21 @@ class _SseResponse(web.StreamResponse):
 async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.StreamResponse:
     """Commit the 200 (output exists by now) and forward engine bytes as they come.
 
-    Blocks already received are written together, and the last ones with [DONE] and the
-    end of the answer, so a stream costs as few writes as the engine's reads allow; no
-    block waits for anything but blocks that have already arrived.
+    Each block holds everything that had arrived; the last one goes with [DONE] and the
+    end of the answer, so a stream costs as few writes as the engine's reads allow.
     """
     response = _SseResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
     await response.prepare(request)
     call.committed = response
-    held: list[bytes] = []
+    last = b""
     async for data in stream:
-        held.append(data)
-        if not stream.ready:
-            await response.write(held[0] if len(held) == 1 else b"".join(held))
-            held.clear()
-    held.append(DONE_EVENT)
+        if stream.done:
+            last = data
+        else:
+            await response.write(data)
     call.output_tokens = _completion_tokens(stream.usage)
     call.status = 200
-    await response.write_eof(b"".join(held))
+    await response.write_eof(last + DONE_EVENT)
     return response
 
 
