@@ -21,16 +21,11 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
-import re
-import resource
-import shutil
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,441 +33,24 @@ import aiohttp
 import orjson
 import uvloop
 from bench_load import BatchResult, Target, bucket_seconds
+from bench_matrix import add_matrix, format_matrix
+from bench_model import DEFAULT_MAX_TOKENS, SHAPES, BenchOptions, BenchReport, Party, Summary
+from bench_procs import MODEL, cpu_seconds, raise_open_files_limit, rss_bytes
+from bench_report import _mib, format_report, plot, report_json
+from bench_targets import (
+    Bench,
+    SimSettings,
+    add_router,
+    find_fastapi_python,
+    find_vllm_router,
+    fleet,
+    start_fastapi_proxy,
+    start_loads,
+    start_narwhal,
+    start_vllm_router,
+    wait_healthy,
+)
 from otlp_sink import otlp_sink
-
-HERE = Path(__file__).resolve().parent
-LOAD_SCRIPT = HERE / "bench_load.py"
-BENCH_VENV = HERE.parent / ".venv-bench"
-BENCH_VENV_ROUTER = BENCH_VENV / "bin" / "vllm-router"
-FASTAPI_PROXY = HERE / "peers" / "fastapi_proxy.py"
-FASTAPI_PROXY_NEEDS = ("fastapi", "httpx", "uvicorn", "uvloop", "httptools")
-"""What the FastAPI peer imports; `make bench-setup` installs them in .venv-bench."""
-MODEL = "narwhal-sim"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-START_TIMEOUT_S = 60.0
-ANSWER_LIMIT = 256 * 2**20
-"""Longest answer line from a load process: it carries every request's latencies."""
-
-SHAPES = {"short": 64, "long": 1024, "mixed-nonstream": 256}
-"""Output tokens per request for each shape (the mix varies them per request)."""
-DEFAULT_MAX_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class BenchOptions:
-    """One benchmark run; the defaults are the 64-streams x 256-tokens comparison."""
-
-    shape: str = "stream"
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    concurrency: int = 64
-    requests: int = 2048
-    trials: int = 3
-    inter_token_s: float = 0.0
-    prefill_s_per_token: float = 0.0
-    direct: bool = True
-    narwhal: bool = True
-    vllm_router: Path | None = None
-    fastapi_proxy: Path | None = None
-    targets: tuple[tuple[str, str], ...] = ()
-    target_pids: tuple[tuple[str, int], ...] = ()
-    producer_port: int = 0
-    consumer_port: int = 0
-    load_processes: int = 1
-    warmup: bool = True
-    quiet: bool = False
-    # Also run Narwhal with tracing on ("narwhal-traced"), exporting to an OTLP sink.
-    tracing: bool = False
-    tracing_ratio: float = 1.0
-    # Run Narwhal twice, stream continuation off ("narwhal") and on ("narwhal-continued").
-    continuation: bool = False
-
-
-@dataclass(slots=True)
-class Party:
-    """A target as measured over all its batches."""
-
-    name: str
-    results: list[BatchResult] = field(default_factory=list)
-    router_cpu_s: float | None = None
-    rss_bytes: int | None = None
-    producer_cpu_s: float = 0.0
-    consumer_cpu_s: float = 0.0
-
-    @property
-    def ok(self) -> int:
-        return sum(r.ok for r in self.results)
-
-    @property
-    def errors(self) -> int:
-        return sum(r.errors for r in self.results)
-
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for r in self.results)
-
-    @property
-    def wall_s(self) -> float:
-        return sum(r.wall_s for r in self.results)
-
-    @property
-    def load_cpu_s(self) -> float:
-        return sum(r.cpu_s for r in self.results)
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """One target's figures; latencies in seconds, `None` where a figure does not apply."""
-
-    name: str
-    requests: int
-    errors: int
-    tokens: int
-    requests_per_s: float
-    tokens_per_s: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    itl_p50_s: float | None
-    itl_p99_s: float | None
-    tpot_p50_s: float | None
-    added_ttft_p50_s: float | None
-    added_ttft_p99_s: float | None
-    added_tpot_p50_s: float | None
-    router_cpu_s: float | None
-    router_cpu_s_per_1k_requests: float | None
-    router_cpu_s_per_1k_tokens: float | None
-    router_rss_bytes: int | None
-    load_cpu_percent: float
-    load_cpu_s_per_1k_tokens: float
-    producer_cpu_percent: float
-    consumer_cpu_percent: float
-    consumer_cpu_s_per_1k_tokens: float
-    error_samples: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BenchReport:
-    options: BenchOptions
-    summaries: tuple[Summary, ...]
-    batches: tuple[dict[str, Any], ...]
-
-    def summary(self, name: str) -> Summary:
-        return next(s for s in self.summaries if s.name == name)
-
-
-# --- Processes --------------------------------------------------------------------------
-
-
-class Proc:
-    """A child process with its output in a log file; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self, name: str, process: asyncio.subprocess.Process, log: Path) -> None:
-        self.name = name
-        self.process = process
-        self.log = log
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @classmethod
-    async def start(
-        cls, name: str, argv: Sequence[str], workdir: Path, *, stdin: bool = False
-    ) -> Proc:
-        log = workdir / f"{name}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE if stdin else out,
-                stderr=out,
-                limit=ANSWER_LIMIT,
-            )
-        return cls(name, process, log)
-
-    def tail(self, lines: int = 15) -> str:
-        text = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def check_alive(self) -> None:
-        if self.process.returncode is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.process.returncode}; its log ends:\n{self.tail()}"
-            )
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10.0)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
-
-
-class LoadProcess:
-    """A `bench_load.py` process: one JSON job per line in, one JSON answer per line out."""
-
-    def __init__(self, proc: Proc) -> None:
-        self.proc = proc
-
-    async def ask(self, job: dict[str, Any]) -> dict[str, Any]:
-        await self.send(job)
-        return await self.answer()
-
-    async def send(self, job: dict[str, Any]) -> None:
-        stdin = self.proc.process.stdin
-        assert stdin is not None
-        stdin.write(orjson.dumps(job) + b"\n")
-        await stdin.drain()
-
-    async def answer(self) -> dict[str, Any]:
-        stdout = self.proc.process.stdout
-        assert stdout is not None
-        line = await stdout.readline()
-        if not line:
-            self.proc.check_alive()
-            raise RuntimeError(f"{self.proc.name} closed its output; log:\n{self.proc.tail()}")
-        answer: dict[str, Any] = orjson.loads(line)
-        return answer
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def raise_open_files_limit() -> int:
-    """Lift the soft open-files limit to the hard one (children inherit it); returns it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
-# --- Reading the OS -----------------------------------------------------------------------
-
-
-def _descendants(pid: int) -> list[int]:
-    """The process and every process below it (a router may run workers)."""
-    parents: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(entry.path, "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = [pid], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        tree += children
-        frontier = children
-    return tree
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU of a process and its descendants, from /proc/<pid>/stat."""
-    total = 0
-    for member in _descendants(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLOCK_TICKS
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its descendants, from /proc/<pid>/statm."""
-    total = 0
-    for member in _descendants(pid):
-        with contextlib.suppress(OSError):
-            total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * PAGE_SIZE
-    return total
-
-
-# --- The fleet and the targets ------------------------------------------------------------
-
-_LISTENING = re.compile(r"listening on (http://\S+)")
-
-
-@dataclass(frozen=True, slots=True)
-class SimSettings:
-    inter_token_s: float
-    prefill_s_per_token: float
-    max_num_seqs: int
-    num_kv_blocks: int
-    max_model_len: int
-
-
-async def start_sim(name: str, port: int, settings: SimSettings, workdir: Path) -> tuple[Proc, str]:
-    """One `narwhal sim` process; returns it with the URL it printed."""
-    argv = [
-        *(sys.executable, "-m", "narwhal", "sim", "--id", name, "--port", str(port)),
-        *("--inter-token-s", repr(settings.inter_token_s)),
-        *("--prefill-s-per-token", repr(settings.prefill_s_per_token)),
-        *("--request-overhead-s", "0", "--kv-pull-s-per-block", "0", "--slowdown-per-seq", "0"),
-        *("--max-num-seqs", str(settings.max_num_seqs)),
-        *("--num-kv-blocks", str(settings.num_kv_blocks)),
-        *("--max-model-len", str(settings.max_model_len)),
-    ]
-    proc = await Proc.start(name, argv, workdir)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = _LISTENING.search(proc.log.read_text(errors="replace"))
-        if found:
-            return proc, found.group(1)
-        proc.check_alive()
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{name} did not start; log:\n{proc.tail()}")
-
-
-async def wait_healthy(proc: Proc | None, url: str) -> None:
-    """Poll GET /health until it answers 200; `proc` is None for a router we did not start."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if proc is not None:
-                proc.check_alive()
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    log = f"; log:\n{proc.tail()}" if proc is not None else ""
-    raise RuntimeError(f"{proc.name if proc else url} did not become healthy at {url}{log}")
-
-
-def narwhal_config(
-    producer: str,
-    consumer: str,
-    port: int,
-    *,
-    idle: bool = False,
-    queue: int = 1024,
-    traces_to: str | None = None,
-    sample_ratio: float = 1.0,
-    continuation: bool | None = None,
-) -> str:
-    """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
-    idle streams need the silence check off and room to open thousands of first tokens.
-    Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say)."""
-    tracing = "enabled = false"
-    if traces_to:
-        tracing = f'enabled = true\nendpoint = "{traces_to}"\nsample_ratio = {sample_ratio}'
-    continuation_table = ""
-    if continuation is not None:
-        continuation_table = f"\n[continuation]\nenabled = {str(continuation).lower()}\n"
-    first_token_s = 120.0 if idle else 30.0
-    decode_read_s = 0.0 if idle else 10.0
-    request_s = 3600.0 if idle else 600.0
-    return f"""\
-model = "{MODEL}"
-
-[server]
-host = "127.0.0.1"
-port = {port}
-
-[engine]
-first_token_timeout_s = {first_token_s}
-decode_read_timeout_s = {decode_read_s}
-
-[serving]
-request_timeout_s = {request_s}
-queue_capacity = {queue}
-
-[tracing]
-{tracing}
-{continuation_table}
-
-[[engines]]
-id = "producer"
-url = "{producer}"
-role = "prefill"
-max_prefill_seats = 0
-
-[[engines]]
-id = "consumer"
-url = "{consumer}"
-role = "decode"
-max_decode_seats = 0
-"""
-
-
-async def start_narwhal(
-    producer: str,
-    consumer: str,
-    workdir: Path,
-    *,
-    idle: bool = False,
-    queue: int = 1024,
-    name: str = "narwhal",
-    traces_to: str | None = None,
-    sample_ratio: float = 1.0,
-    continuation: bool | None = None,
-) -> tuple[Proc, str]:
-    port = free_port()
-    config = workdir / f"{name}.toml"
-    config.write_text(
-        narwhal_config(
-            producer,
-            consumer,
-            port,
-            idle=idle,
-            queue=queue,
-            traces_to=traces_to,
-            sample_ratio=sample_ratio,
-            continuation=continuation,
-        )
-    )
-    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]
-    proc = await Proc.start(name, argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    await wait_healthy(proc, url)
-    return proc, url
-
-
-async def start_vllm_router(
-    binary: Path, producer: str, consumer: str, workdir: Path
-) -> tuple[Proc, str]:
-    """vllm-router in its PD mode; round-robin, the cheapest policy it has, for a fair cost."""
-    port = free_port()
-    argv = [
-        *(str(binary), "--vllm-pd-disaggregation"),
-        *("--prefill", producer, "--decode", consumer),
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--prometheus-port", str(free_port()), "--policy", "round_robin"),
-        *("--worker-startup-check-interval", "1", "--log-level", "warning"),
-    ]
-    proc = await Proc.start("vllm-router", argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    await wait_healthy(proc, url)
-    return proc, url
-
-
-async def start_fastapi_proxy(
-    python: Path, producer: str, consumer: str, workdir: Path
-) -> tuple[Proc, str]:
-    """The FastAPI + httpx peer (benchmarks/peers/fastapi_proxy.py) on uvicorn, one process."""
-    port = free_port()
-    argv = [
-        *(str(python), str(FASTAPI_PROXY)),
-        *("--prefill", producer, "--decode", consumer, "--port", str(port)),
-    ]
-    proc = await Proc.start("fastapi-proxy", argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    await wait_healthy(proc, url)
-    return proc, url
-
-
-def find_fastapi_python(explicit: Path | None) -> Path | None:
-    """The given interpreter, else .venv-bench's when it has the FastAPI peer's packages."""
-    if explicit is not None:
-        return explicit
-    python = BENCH_VENV / "bin" / "python"
-    for site in BENCH_VENV.glob("lib/python3*/site-packages"):
-        if python.exists() and all((site / name).is_dir() for name in FASTAPI_PROXY_NEEDS):
-            return python
-    return None
 
 
 async def add_peers(bench: Bench, options: BenchOptions, say: Any) -> None:
@@ -489,67 +67,6 @@ async def add_peers(bench: Bench, options: BenchOptions, say: Any) -> None:
         )
         url = await add_router(bench, "fastapi-proxy", starting)
         say(f"fastapi-proxy: {url} (pid {bench.pids['fastapi-proxy']}, {options.fastapi_proxy})")
-
-
-def find_vllm_router(explicit: Path | None) -> Path | None:
-    """The given binary, else the one `make bench-setup` installs, else one on PATH."""
-    if explicit is not None:
-        return explicit
-    if BENCH_VENV_ROUTER.exists():
-        return BENCH_VENV_ROUTER
-    found = shutil.which("vllm-router")
-    return Path(found) if found else None
-
-
-@dataclass(slots=True)
-class Bench:
-    """What a run started: engines, routers, load processes, and where each target is."""
-
-    workdir: Path
-    producer: Proc
-    consumer: Proc
-    producer_url: str
-    consumer_url: str
-    targets: list[Target] = field(default_factory=list)
-    pids: dict[str, int] = field(default_factory=dict)
-    procs: list[Proc] = field(default_factory=list)
-    loads: list[LoadProcess] = field(default_factory=list)
-
-
-@contextlib.asynccontextmanager
-async def fleet(
-    settings: SimSettings, producer_port: int, consumer_port: int, workdir: Path
-) -> AsyncIterator[Bench]:
-    """Start the producer and the consumer; stop everything the bench started on exit."""
-    started: list[Proc] = []
-    try:
-        (producer, producer_url), (consumer, consumer_url) = await asyncio.gather(
-            start_sim("producer", producer_port, settings, workdir),
-            start_sim("consumer", consumer_port, settings, workdir),
-        )
-        started += [producer, consumer]
-        bench = Bench(workdir, producer, consumer, producer_url, consumer_url, procs=started)
-        yield bench
-    finally:
-        for proc in reversed(started):
-            await proc.stop()
-
-
-async def add_router(bench: Bench, name: str, starting: Awaitable[tuple[Proc, str]]) -> str:
-    proc, url = await starting
-    bench.procs.append(proc)
-    bench.targets.append(Target(name, url=url))
-    bench.pids[name] = proc.pid
-    return url
-
-
-async def start_loads(bench: Bench, count: int) -> None:
-    for index in range(count):
-        proc = await Proc.start(
-            f"load-{index}", [sys.executable, str(LOAD_SCRIPT)], bench.workdir, stdin=True
-        )
-        bench.procs.append(proc)
-        bench.loads.append(LoadProcess(proc))
 
 
 # --- Running batches ----------------------------------------------------------------------
@@ -704,13 +221,14 @@ async def _run_bench(options: BenchOptions, workdir: Path) -> BenchReport:
     settings = sim_settings(options, options.concurrency, options.max_tokens)
     say = _printer(options.quiet)
     async with contextlib.AsyncExitStack() as stack:
-        sink = await stack.enter_async_context(otlp_sink()) if options.tracing else None
+        traced = options.tracing or options.matrix
+        sink = await stack.enter_async_context(otlp_sink()) if traced else None
         bench = await stack.enter_async_context(
             fleet(settings, options.producer_port, options.consumer_port, workdir)
         )
         report = await _run_targets(bench, options, say, sink[0] if sink else None)
         if sink is not None:
-            say(f"narwhal-traced sent {sink[1][0]} OTLP export requests")
+            say(f"traced routers sent {sink[1][0]} OTLP export requests")
         return report
 
 
@@ -722,23 +240,12 @@ async def _run_targets(
         direct = Target("direct", producer=bench.producer_url, consumer=bench.consumer_url)
         bench.targets.append(direct)
     if options.narwhal:
-        base = False if options.continuation else None
-        started = start_narwhal(
-            bench.producer_url, bench.consumer_url, bench.workdir, continuation=base
+        url = await add_router(
+            bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, bench.workdir)
         )
-        url = await add_router(bench, "narwhal", started)
         say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
-        if options.continuation:
-            continued = start_narwhal(
-                bench.producer_url,
-                bench.consumer_url,
-                bench.workdir,
-                name="narwhal-continued",
-                continuation=True,
-            )
-            url = await add_router(bench, "narwhal-continued", continued)
-            say(f"narwhal-continued: {url} (stream continuation on)")
-    if traces_to is not None:
+    if options.tracing:
+        assert traces_to is not None
         traced = start_narwhal(
             bench.producer_url,
             bench.consumer_url,
@@ -749,6 +256,8 @@ async def _run_targets(
         )
         url = await add_router(bench, "narwhal-traced", traced)
         say(f"narwhal-traced: {url}, spans to {traces_to}")
+    if options.matrix:
+        await add_matrix(bench, traces_to, say)
     await add_peers(bench, options, say)
     pids = dict(options.target_pids)
     for name, url in options.targets:
@@ -940,118 +449,6 @@ def format_idle(results: Iterable[IdleResult]) -> str:
     return "\n".join(lines)
 
 
-# --- Reporting ------------------------------------------------------------------------------
-
-
-def _ms(seconds: float | None, signed: bool = False) -> str:
-    if seconds is None or math.isnan(seconds):
-        return "n/a"
-    return f"{seconds * 1000:+.2f}" if signed else f"{seconds * 1000:.2f}"
-
-
-def _us(seconds: float | None, signed: bool = False) -> str:
-    if seconds is None or math.isnan(seconds):
-        return "n/a"
-    return f"{seconds * 1e6:+.1f}" if signed else f"{seconds * 1e6:.1f}"
-
-
-def _mib(size: int | None) -> str:
-    return "n/a" if size is None else f"{size / 2**20:.1f} MiB"
-
-
-def _number(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def format_report(report: BenchReport) -> str:
-    """The tables: throughput and latency, then what each party spent."""
-    o = report.options
-    shape = o.shape if o.shape != "stream" else f"streaming, {o.max_tokens} tokens"
-    head = (
-        f"{o.concurrency} concurrent clients, {o.requests} requests per batch, "
-        f"{o.trials} interleaved trials, {shape}, inter-token {o.inter_token_s:g} s, "
-        f"{os.cpu_count()} cores"
-    )
-    latency = [
-        f"{'':<14}{'':>9}{'':>10}{'TTFT ms':>20}{'+TTFT ms':>16}{'per token µs':>30}",
-        f"{'target':<14}{'req/s':>9}{'tok/s':>10}{'p50':>10}{'p99':>10}{'p50':>8}{'p99':>8}"
-        f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'+TPOT':>8}{'errors':>8}",
-    ]
-    for s in report.summaries:
-        latency.append(
-            f"{s.name:<14}{s.requests_per_s:>9.1f}{s.tokens_per_s:>10,.0f}"
-            f"{_ms(s.ttft_p50_s):>10}{_ms(s.ttft_p99_s):>10}"
-            f"{_ms(s.added_ttft_p50_s, True):>8}{_ms(s.added_ttft_p99_s, True):>8}"
-            f"{_us(s.itl_p50_s):>9}{_us(s.itl_p99_s):>9}{_us(s.tpot_p50_s):>10}"
-            f"{_us(s.added_tpot_p50_s, True):>8}{s.errors:>8}"
-        )
-    cost = [
-        f"{'':<14}{'router CPU seconds':>31}{'':>12}{'load':>16}{'engines (consumer /1k tok)':>32}",
-        f"{'target':<14}{'total':>8}{'/1k req':>10}{'/1k tok':>13}{'router RSS':>12}"
-        f"{'CPU':>6}{'/1k tok':>10}{'producer':>10}{'consumer':>10}{'/1k tok':>12}",
-    ]
-    for s in report.summaries:
-        cost.append(
-            f"{s.name:<14}{_number(s.router_cpu_s, 2):>8}"
-            f"{_number(s.router_cpu_s_per_1k_requests):>10}"
-            f"{_number(s.router_cpu_s_per_1k_tokens, 5):>13}{_mib(s.router_rss_bytes):>12}"
-            f"{s.load_cpu_percent:>5.0f}%{s.load_cpu_s_per_1k_tokens:>10.5f}"
-            f"{s.producer_cpu_percent:>9.0f}%{s.consumer_cpu_percent:>9.0f}%"
-            f"{s.consumer_cpu_s_per_1k_tokens:>12.5f}"
-        )
-    notes = [
-        "+ columns: added over the direct path. ITL: gaps between token events as the client "
-        "reads them; TPOT: each request's mean time per output token.",
-        "CPU: user+system from /proc over each batch; load, producer and consumer CPU as a "
-        "percentage of one core; RSS: the router's largest after a batch.",
-    ]
-    errors = [f"{s.name} error: {sample}" for s in report.summaries for sample in s.error_samples]
-    return "\n".join([head, "", *latency, "", *cost, "", *notes, *errors])
-
-
-def report_json(report: BenchReport) -> bytes:
-    document = {
-        "options": asdict(report.options),
-        "targets": [asdict(summary) for summary in report.summaries],
-        "batches": list(report.batches),
-        "cpu_count": os.cpu_count(),
-    }
-    return orjson.dumps(document, option=orjson.OPT_INDENT_2, default=str)
-
-
-def plot(report: BenchReport, path: Path) -> str:
-    """A latency/throughput chart per batch, and the router CPU per token; needs matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
-    for index, s in enumerate(report.summaries):
-        rows = [b for b in report.batches if b["target"] == s.name]
-        throughput = [b["tokens_per_s"] for b in rows]
-        color = f"C{index}"
-        p50 = [b["ttft_p50_s"] * 1000 for b in rows]
-        p99 = [b["ttft_p99_s"] * 1000 for b in rows]
-        left.scatter(throughput, p50, color=color, label=f"{s.name} TTFT p50")
-        left.scatter(throughput, p99, color=color, marker="x", label=f"{s.name} TTFT p99")
-    left.set_xlabel("tokens/s relayed (one point per batch)")
-    left.set_ylabel("client TTFT (ms)")
-    left.legend(fontsize="small")
-    costs = [s for s in report.summaries if s.router_cpu_s_per_1k_tokens is not None]
-    right.bar([s.name for s in costs], [s.router_cpu_s_per_1k_tokens or 0.0 for s in costs])
-    right.set_ylabel("router CPU s per 1,000 tokens")
-    figure.suptitle(
-        f"{report.options.concurrency} clients, {report.options.shape}, "
-        f"{report.options.max_tokens} tokens"
-    )
-    figure.tight_layout()
-    figure.savefig(path)
-    return f"plot written to {path}"
-
-
 # --- Command line ---------------------------------------------------------------------------
 
 
@@ -1082,12 +479,8 @@ def parser() -> argparse.ArgumentParser:
     add("--no-direct", dest="direct", action="store_false", help="skip the direct path")
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
     add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
+    add("--matrix", action="store_true", help="also run Narwhal with each optional feature flipped")
     add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
-    add(
-        "--continuation",
-        action="store_true",
-        help="run Narwhal with stream continuation off and on (narwhal-continued)",
-    )
     add("--vllm-router", type=Path, help="vllm-router binary (default: .venv-bench, PATH)")
     add("--no-vllm-router", action="store_true", help="skip vllm-router even if found")
     add("--fastapi-proxy", type=Path, help="python for the FastAPI peer (default: .venv-bench)")
@@ -1129,8 +522,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         load_processes=args.load_processes,
         warmup=args.warmup,
         tracing=args.tracing,
+        matrix=args.matrix,
         tracing_ratio=args.tracing_ratio,
-        continuation=args.continuation,
     )
 
 
@@ -1153,6 +546,9 @@ async def _main(args: argparse.Namespace) -> int:
         report = await run_bench(options, workdir)
     print()
     print(format_report(report))
+    if options.matrix:
+        print()
+        print(format_matrix(report))
     if args.json:
         args.json.write_bytes(report_json(report))
         print(f"figures written to {args.json}")

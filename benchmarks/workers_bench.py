@@ -23,27 +23,18 @@ import aiohttp
 import orjson
 import uvloop
 from bench_load import Target
-from router_bench import (
-    BenchOptions,
-    BenchReport,
-    Proc,
-    _descendants,
-    _trials,
+from bench_model import BenchOptions, BenchReport
+from bench_procs import Proc, _descendants, cpu_seconds, free_port, raise_open_files_limit
+from bench_report import format_report, report_json
+from bench_targets import (
     add_router,
-    cpu_seconds,
     fleet,
-    format_report,
-    free_port,
     narwhal_config,
-    options_from_args,
-    parser,
-    raise_open_files_limit,
-    report_json,
-    sim_settings,
     start_loads,
     start_narwhal,
     wait_healthy,
 )
+from router_bench import _trials, options_from_args, parser, sim_settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router_bench import BenchOptions, format_report, run_bench
+from bench_model import BenchOptions
+from bench_report import format_report
+from router_bench import run_bench
 
 GUARD_MULTIPLE = 4.0
 

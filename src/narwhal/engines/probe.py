@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.config import EngineSpec
-from narwhal.engines.client import EngineClient, stream_payloads
+from narwhal.engines.client import EngineClient
+from narwhal.engines.decode_stream import stream_payloads
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from narwhal.protocol.bodies import Endpoint
-from narwhal.protocol.sse import reports_tokens
+from narwhal.protocol.sse import block_payloads, reports_tokens
+from narwhal.router.assemble_typed import typed_answer
 
 # vLLM 0.32's non-streaming members in its order, with their values when the stream
 # never carried them. The stream carries the rest (ids, text, finish and usage).
@@ -79,6 +82,32 @@ _REASONING_NAMES = ("reasoning", "reasoning_content")
 _TEXTS = frozenset({"text", "content", "refusal", *_REASONING_NAMES})
 # Members folded separately: the choices and deltas below a chunk, and its usage.
 _NOT_MERGED = frozenset({"object", "choices", "usage", "delta", "tool_calls"})
+
+
+def answer_body(
+    endpoint: Endpoint,
+    block: bytes,
+    usage_chunk: dict[str, Any] | None,
+    usage: dict[str, Any] | None,
+) -> tuple[bytes, dict[str, Any] | None]:
+    """The answer's JSON and its usage, from a finished stream's forwarded events (`block`),
+    the usage chunk held back from them if any, and the stream's usage if it had one.
+
+    The usual stream is read in one typed pass (`assemble_typed`); any other is parsed
+    event by event and folded by `Assembler`. Raises `SseError` for an event that is not a
+    JSON object.
+    """
+    typed = typed_answer(endpoint, block, usage_chunk, usage)
+    if typed is not None:
+        return typed
+    assembler = Assembler(endpoint)
+    for payload in block_payloads(block):
+        assembler.add(payload)
+    if usage_chunk is not None:
+        assembler.add(usage_chunk)
+    if usage is not None:
+        assembler.usage = usage
+    return orjson.dumps(assembler.result()), assembler.usage
 
 
 class Assembler:

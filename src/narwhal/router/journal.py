@@ -44,6 +44,11 @@ class Journal:
         )
         self._thread.start()
 
+    @property
+    def writing(self) -> bool:
+        """Whether lines are being written: callers may skip building an entry when not."""
+        return self._thread is not None
+
     def record(self, entry: dict[str, Any]) -> None:
         if self._thread is None:
             return

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,6 +28,7 @@ from narwhal.engines.handoff import DescriptorRejected
 from narwhal.protocol.errors import Cause
 from narwhal.router.controller import MOVE_REASONS
 from narwhal.router.fleet import EngineState, Phase
+from narwhal.router.loop_histogram import LoopHistogram
 
 if TYPE_CHECKING:
     from narwhal.router.call import Call
@@ -66,8 +67,13 @@ class RouterMetrics:
             registry=registry,
         )
 
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, documentation, buckets=buckets, registry=registry)
+        # Observed on the event loop, several per request: read by a collector when scraped.
+        self.histograms: list[LoopHistogram] = []
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> LoopHistogram:
+            made = LoopHistogram(name, documentation, buckets)
+            self.histograms.append(made)
+            return made
 
         self.ttft = histogram(
             "narwhal_ttft_seconds", "Arrival to the producer's prefill answer.", LATENCY_BUCKETS
@@ -154,6 +160,7 @@ class RouterMetrics:
             LAG_BUCKETS,
         )
         registry.register(_ScrapeTimeCollector(router))
+        registry.register(_LoopHistograms(self.histograms))
         self._lag_task: asyncio.Task[None] | None = None
 
     def observe(self, call: Call, now: float) -> None:
@@ -215,6 +222,17 @@ class RouterMetrics:
             slept_at = loop.time()
             await asyncio.sleep(LAG_INTERVAL_S)
             self.loop_lag.observe(max(0.0, loop.time() - slept_at - LAG_INTERVAL_S))
+
+
+class _LoopHistograms(Collector):
+    """The request histograms, read when scraped."""
+
+    def __init__(self, histograms: list[LoopHistogram]) -> None:
+        self.histograms = histograms
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in self.histograms:
+            yield histogram.family()
 
 
 class _ScrapeTimeCollector(Collector):

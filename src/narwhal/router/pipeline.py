@@ -11,22 +11,24 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
 from narwhal.config import Config
-from narwhal.engines.client import DecodeStream, EngineClient, collect_payloads, new_request_id
+from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
+from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
+from narwhal.protocol.ids import new_id
+from narwhal.protocol.sse import SseError
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
-from narwhal.router.assemble import Assembler
+from narwhal.router.assemble import answer_body
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
@@ -199,7 +201,7 @@ class Router:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one client request and record its one outcome, on every path."""
         call = Call(
-            request_id=uuid.uuid4().hex,
+            request_id=new_id(),
             client_request_id=request.headers.get("X-Request-Id"),
             endpoint=endpoint,
             arrival=time.perf_counter(),
@@ -252,7 +254,8 @@ class Router:
             call.finish(now)
             if call.trace is not None:
                 call.trace.end(call, now)
-            self.journal.record(call.entry(now))
+            if self.journal.writing:
+                self.journal.record(call.entry(now))
             for hook in self.call_hooks:
                 hook(call, now)
 
@@ -298,7 +301,7 @@ class Router:
                 if client_request.stream:
                     response = await _relay(request, call, stream)
                 else:
-                    response = _assemble(call, await _collect(stream, call))
+                    response = await _collect(stream, call)
         except NarwhalError as error:
             self._blame(error, reservation)
             if error.is_engine_fault and error.engine == reservation.consumer.id:
@@ -540,36 +543,45 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
         ) from None
 
 
+class _SseResponse(web.StreamResponse):
+    """An event stream whose headers go out with its first bytes: one write, not two."""
+
+    _send_headers_immediately = False
+
+
 async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.StreamResponse:
-    """Commit the 200 (output exists by now) and forward engine bytes as they come."""
-    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
+    """Commit the 200 (output exists by now) and forward engine bytes as they come.
+
+    Each block holds everything that had arrived; the last one goes with [DONE] and the
+    end of the answer, so a stream costs as few writes as the engine's reads allow.
+    """
+    response = _SseResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
     await response.prepare(request)
     call.committed = response
+    last = b""
     async for data in stream:
-        await response.write(data)
-    await response.write(DONE_EVENT)
+        if stream.done:
+            last = data
+        else:
+            await response.write(data)
     call.output_tokens = _completion_tokens(stream.usage)
     call.status = 200
-    await response.write_eof()
+    await response.write_eof(last + DONE_EVENT)
     return response
 
 
-async def _collect(stream: DecodeStream, call: Call) -> Assembler:
-    assembler = Assembler(call.endpoint)
-    for payload in await collect_payloads(stream):
-        assembler.add(payload)
-    if stream.usage is not None:
-        assembler.usage = stream.usage
-    return assembler
-
-
-def _assemble(call: Call, assembler: Assembler) -> web.Response:
-    call.output_tokens = _completion_tokens(assembler.usage)
+async def _collect(stream: DecodeStream, call: Call) -> web.Response:
+    """The whole stream, then one answer shaped as the engine's own non-streaming one."""
+    block = b"".join([data async for data in stream])
+    try:
+        body, usage = answer_body(call.endpoint, block, stream.usage_chunk, stream.usage)
+    except SseError as exc:
+        # Relayed events only had their framing checked; here each must parse.
+        raise bad_stream(exc, stream.engine) from None
+    call.output_tokens = _completion_tokens(usage)
     call.status = 200
     return web.Response(
-        body=orjson.dumps(assembler.result()),
-        content_type="application/json",
-        headers={"X-Request-Id": call.request_id},
+        body=body, content_type="application/json", headers={"X-Request-Id": call.request_id}
     )
 
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from narwhal.engines.client import DecodeStream, _bad_stream
+from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.bodies import ClientRequest, Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseError, block_payloads
@@ -287,7 +288,7 @@ def _payloads(block: bytes, engine: str) -> list[dict[str, Any]]:
     try:
         return block_payloads(block)
     except SseError as exc:
-        raise _bad_stream(exc, engine) from None
+        raise bad_stream(exc, engine) from None
 
 
 def _completion_tokens(usage: dict[str, Any] | None) -> int | None:

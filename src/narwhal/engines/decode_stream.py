@@ -1,0 +1,265 @@
+"""A decode leg past its first token: engine bytes relayed as they come, failures raised.
+
+`EngineClient.send_decode` opens the leg and watches it up to the first generated token;
+from there a `DecodeStream` owns the connection until the stream ends or is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Self
+
+from narwhal.engines.gaps import TokenGaps
+from narwhal.engines.http import Connection, HttpError
+from narwhal.engines.leg_errors import bad_stream, error_object
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from narwhal.protocol.sse import (
+    EventKind,
+    SseDecoder,
+    SseError,
+    SseEvent,
+    classify,
+    classify_after_first_output,
+)
+
+
+class DecodeStream:
+    """An open decode leg past its first token: engine bytes out, failures raised.
+
+    Iterating yields the bytes to forward: whole events exactly as the engine sent them,
+    never `[DONE]` or an error object, everything that has arrived in one block (a block
+    after which `done` is true is the last). A run of complete events that need no decision
+    is taken without per-event work (see `SseDecoder.feed_plain`). Silence between reads
+    longer than `read_timeout_s` (0 = unbounded) ends the stream with a 504. One clock read
+    per chunk serves the watchdog and the gap count (`gaps`, shared by the client's
+    streams).
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        engine: str,
+        read_timeout_s: float,
+        decoder: SseDecoder,
+        *,
+        first: list[SseEvent],
+        drop_usage: bool,
+        on_close: Callable[[], None],
+        gaps: TokenGaps,
+    ) -> None:
+        self.engine = engine
+        self.usage: dict[str, Any] | None = None
+        # The usage chunk when it was not forwarded: it also carries the fingerprint.
+        self.usage_chunk: dict[str, Any] | None = None
+        self.done = False
+        self._connection = connection
+        self._decoder = decoder
+        self._first: list[SseEvent] | None = first
+        # The decoder may still hold events that arrived with the first token.
+        self._buffered = True
+        # A failure found after bytes that are still to be forwarded: raised next.
+        self._failure: NarwhalError | None = None
+        self._drop_usage = drop_usage
+        self._on_close: Callable[[], None] | None = on_close
+        self._gaps = gaps
+        self._loop = asyncio.get_running_loop()
+        self._last_read = self._loop.time()
+        self._watchdog = (
+            _Watchdog(self._loop, read_timeout_s, connection.close) if read_timeout_s else None
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            if self.done:
+                await self._finish()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the connection to the pool after [DONE]; otherwise close it (aborts)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.done and self._connection.complete:
+            self._connection.release()
+        else:
+            self._connection.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        parts: list[bytes] = []
+        if self._first is not None:
+            parts.append(_joined(self._first))
+            self._first = None
+        while not self.done:
+            if self._buffered:
+                self._buffered = False
+                chunk = b""
+            elif parts:
+                break  # the rest needs a read: what has arrived goes out first
+            else:
+                chunk = await self._read()
+                now = self._loop.time()
+                self._gaps.add(now - self._last_read)
+                self._last_read = now
+                if self._watchdog is not None:
+                    self._watchdog.last = now
+            try:
+                block = self._take(chunk)
+            except NarwhalError as failure:
+                if not parts:
+                    raise
+                # What arrived before the failure is forwarded first; it is raised next.
+                self._failure = failure
+                break
+            if block:
+                parts.append(block)
+        if not parts:
+            raise StopAsyncIteration
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _take(self, chunk: bytes) -> bytes:
+        """The bytes to forward out of `chunk` and what the decoder holds, without waiting.
+
+        A run of plain events is taken whole; events that need a decision are decided.
+        """
+        decoder = self._decoder
+        plain = decoder.feed_plain(chunk)
+        if decoder.ready():
+            self._buffered = True
+        if plain or not self._buffered:
+            return plain
+        self._buffered = False
+        try:
+            events = self._decide(decoder.feed(b""))
+        except SseError as exc:
+            raise bad_stream(exc, self.engine) from None
+        return _joined(events) if events else b""
+
+    async def _finish(self) -> None:
+        """After [DONE], read to the end of the answer so the connection can be reused.
+
+        Done on leaving the stream's context, so that what came before [DONE] is not held
+        back waiting for the engine to end its answer."""
+        try:
+            while await self._connection.read():
+                pass
+        except HttpError:
+            pass
+
+    async def _read(self) -> bytes:
+        try:
+            chunk = await self._connection.read()
+        except HttpError as exc:
+            self._raise_if_silent()
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {self.engine} broke: {exc}",
+                self.engine,
+            ) from None
+        if not chunk:
+            self._raise_if_silent()
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {self.engine} closed before [DONE]",
+                self.engine,
+            )
+        return chunk
+
+    def _raise_if_silent(self) -> None:
+        if self._watchdog is not None and self._watchdog.fired:
+            raise engine_error(
+                Cause.SILENCE,
+                f"engine went silent between tokens: engine {self.engine} sent nothing for "
+                f"{self._watchdog.timeout:g} s",
+                self.engine,
+            )
+
+    def _decide(self, events: list[SseEvent]) -> list[SseEvent]:
+        forward: list[SseEvent] = []
+        for event in events:
+            try:
+                decision = classify_after_first_output(event.data)
+            except SseError as exc:
+                raise bad_stream(exc, self.engine) from None
+            if decision is None:
+                forward.append(event)
+            elif decision.kind is EventKind.DONE:
+                self.done = True
+                break
+            elif decision.kind is EventKind.ERROR:
+                raise error_object(decision.payload or {}, self.engine)
+            elif decision.kind is EventKind.USAGE:
+                self.usage = _usage_of(decision.payload)
+                if not self._drop_usage:
+                    forward.append(event)
+                else:
+                    self.usage_chunk = decision.payload
+            else:
+                forward.append(event)
+        return forward
+
+
+def _joined(events: list[SseEvent]) -> bytes:
+    return events[0].raw if len(events) == 1 else b"".join(event.raw for event in events)
+
+
+async def stream_payloads(stream: DecodeStream) -> AsyncIterator[dict[str, Any]]:
+    """The forwarded events of a stream as parsed chunks, for callers that need them all."""
+    decoder = SseDecoder()
+    async for data in stream:
+        try:
+            payloads = [classify(event.data).payload for event in decoder.feed(data)]
+        except SseError as exc:
+            # Relayed events only had their framing checked; here each must parse.
+            raise bad_stream(exc, stream.engine) from None
+        for payload in payloads:
+            if payload is not None:
+                yield payload
+
+
+class _Watchdog:
+    """Fires `on_silence` once no chunk has arrived for `timeout` seconds.
+
+    The reader only stamps `last`; the timer re-arms itself lazily, so a busy stream
+    costs no timer churn per chunk.
+    """
+
+    __slots__ = ("_handle", "_on_silence", "fired", "last", "loop", "timeout")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, timeout: float, on_silence: Callable[[], None]
+    ) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self.last = loop.time()
+        self.fired = False
+        self._on_silence = on_silence
+        self._handle = loop.call_at(self.last + timeout, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.timeout
+        if self.loop.time() >= due:
+            self.fired = True
+            self._on_silence()
+        else:
+            self._handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _usage_of(payload: dict[str, Any] | None) -> dict[str, Any] | None:
+    usage = (payload or {}).get("usage")
+    return usage if isinstance(usage, dict) else None
