@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser terminal bench-sim bench bench-setup vllm-env tiny-model real record-vllm
+.PHONY: run test lint check-types unit browser terminal bench-sim bench bench-setup vllm-env tiny-model real real-continuation record-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -86,3 +86,7 @@ record-vllm: $(STAMP) $(TINY_STAMP)
 # A prefill and a decode vLLM engine on the CPU behind a real router.
 real: $(STAMP) $(TINY_STAMP)
 	$(PY) -m pytest tests/real
+
+# Stream continuation on real vLLM: a consumer killed mid-answer, continued on a second one.
+real-continuation: $(STAMP) $(TINY_STAMP)
+	NARWHAL_REAL_CONTINUATION=1 $(PY) -m pytest tests/real/test_continuation.py

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,10 @@ CLIENT_TIMEOUT_S = 120.0
 # yet long enough that a prefill slowed by a busy machine still hands over: the router's
 # bound is five sixths of it, and prefills of several seconds were seen under load.
 KV_LEASE_S = 20
+# `make real-continuation`: a second consumer and continuation on, for the test that kills
+# a consumer mid-answer. Left out of `make real`: on a shared CPU its kills and lease-long
+# stalls unsettle the tests that follow.
+CONTINUATION = os.environ.get("NARWHAL_REAL_CONTINUATION") == "1"
 # Measurements worth a line in the session's terminal summary, by name.
 FIGURES: dict[str, str] = {}
 

@@ -1,4 +1,5 @@
-"""One real fleet for the session: a prefill and two decode vLLM engines, and a router.
+"""One real fleet for the session: a prefill and a decode vLLM engine (a second decode
+engine under `make real-continuation`), and a router.
 
 The engines take about a minute to start, so every test shares them; they are stopped at
 the end of the session whatever happened. Timings and memory go to the terminal summary.
@@ -18,6 +19,7 @@ from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
 from narwhal.vllm_fleet import VllmFleet, VllmOptions
 from real_support import (
+    CONTINUATION,
     FIGURES,
     KV_LEASE_S,
     MODEL,
@@ -45,7 +47,8 @@ async def real() -> AsyncIterator[RealStack]:
         kv_lease_duration_s=KV_LEASE_S,
     )
     started = time.monotonic()
-    async with VllmFleet(options, [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]) as fleet:
+    roles = [("p0", "prefill"), ("d0", "decode")] + ([("d1", "decode")] if CONTINUATION else [])
+    async with VllmFleet(options, roles) as fleet:
         FIGURES["engines started together"] = f"{time.monotonic() - started:.1f} s"
         for engine in fleet:
             FIGURES[f"{engine.name} memory (PSS)"] = f"{engine.memory_mib():.0f} MiB"
@@ -66,7 +69,7 @@ async def real() -> AsyncIterator[RealStack]:
                 # on a shared CPU needs: the router's retry, not the test's.
                 "serving": {"max_attempts": 2},
                 # d1 lets an answer whose consumer dies go on (tests/real/test_continuation.py).
-                "continuation": {"enabled": True},
+                "continuation": {"enabled": CONTINUATION},
                 "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
             },
             source="tests/real",

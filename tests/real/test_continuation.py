@@ -11,9 +11,12 @@ import aiohttp
 import orjson
 import pytest
 
-from real_support import FIGURES, MODEL, RealStack
+from real_support import CONTINUATION, FIGURES, MODEL, RealStack
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.skipif(not CONTINUATION, reason="run by `make real-continuation`"),
+]
 
 MAX_TOKENS = 160
 COMPLETION = {

@@ -44,6 +44,9 @@ async def test_a_decode_engine_killed_mid_answer_is_ejected_restarted_and_readmi
     real: RealStack,
 ) -> None:
     operations = real.server.router.operations
+    if "d1" not in real.server.router.fleet.by_id:
+        await _killed_ejected_restarted_readmitted(real)
+        return
     operations.drain("d1", force=True)
     try:
         await _killed_ejected_restarted_readmitted(real)
