@@ -345,10 +345,11 @@ class FleetOperations:
         """Drain the engine and delete it once its last request has finished."""
         engine.remove_when_drained = True
         self._removal_why[engine.id] = why
-        if engine.draining:
-            self.fleet.drain(engine)  # idle already: removed at once
-        else:
+        if not engine.draining:
             self._drain(engine, f"{why}; deleted once drained")
+        elif not engine.busy():
+            self._remove(engine, why)
+        # Else draining with requests still there: its `drained` event removes it.
 
     def _refuse_clash(self, spec: EngineSpec) -> None:
         if spec.id in self.fleet.by_id:
