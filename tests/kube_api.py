@@ -22,6 +22,7 @@ methods below and may make the next requests fail (`fail_next`) or cut every ope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +75,7 @@ def pod(
             conditions=[models.V1PodCondition(type="Ready", status="True" if ready else "False")],
         ),
     )
-    serialized: dict[str, Any] = _SERIALIZER.sanitize_for_serialization(body)
+    serialized: dict[str, Any] = _SERIALIZER.sanitize_for_serialization(body)  # type: ignore[no-untyped-call]
     return serialized
 
 
@@ -303,10 +304,8 @@ class KubeApi:
                     await _send(response, "BOOKMARK", bookmark)
                 async with self._changed:
                     waits = min(0.5, max(0.0, until - loop.time()))
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), waits)
-                    except TimeoutError:
-                        pass
             if abrupt[0]:
                 if request.transport is not None:
                     request.transport.close()

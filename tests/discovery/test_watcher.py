@@ -68,7 +68,7 @@ class Seen:
 
     async def until(self, check: Callable[[], bool], what: str) -> None:
         async with asyncio.timeout(WAIT_S):
-            while not check():
+            while not check():  # noqa: ASYNC110 (the watcher reports no event to wait on)
                 await asyncio.sleep(0.02)
 
 
