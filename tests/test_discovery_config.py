@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from narwhal.config import ConfigError, parse_config
+from narwhal.config_report import summary
 from narwhal.discovery_config import Credentials, DiscoveryConfig
 
 ENGINES = [
@@ -112,4 +113,12 @@ def test_bad_values_name_their_key() -> None:
 def test_max_backoff_may_not_be_below_backoff() -> None:
     assert problems({"model": "m", "discovery": {**ON, "backoff_s": 5, "max_backoff_s": 1}}) == (
         "discovery.max_backoff_s: must be at least backoff_s (5), got 1",
+    )
+
+
+def test_validate_reports_what_discovery_watches() -> None:
+    config = parse_config({"model": "m", "discovery": {**ON, "port_name": "http"}})
+    assert summary(config, "f.toml").splitlines()[-1] == (
+        "  discovery: kubernetes pods in default matching 'app=vllm' (auto credentials); "
+        "role from narwhal/role, port from narwhal/port else container port http"
     )

@@ -125,3 +125,14 @@ def parse_discovery(table: Table) -> DiscoveryConfig:
 
 def _key(table: Table, key: str, default: str) -> str:
     return table.string(key, default, pattern=_KEY, wanted="a label or annotation key")
+
+
+def discovery_summary(config: DiscoveryConfig) -> str:
+    """One line for `narwhal config validate` and `narwhal serve`."""
+    role = f", else {config.default_role}" if config.default_role else ""
+    port = f"container port {config.port_name}" if config.port_name else str(config.port)
+    return (
+        f"{config.kind} pods in {config.namespace} matching {config.label_selector!r} "
+        f"({config.credentials.value} credentials); role from {config.role_key}{role}, port "
+        f"from {config.port_key} else {port}"
+    )

@@ -27,6 +27,7 @@ from openai import AsyncOpenAI
 from kube_api import KubeApi, pod, set_ready
 from narwhal.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
+from workers_support import post_fresh, serve_workers
 
 # Long enough that drains meet requests still streaming there.
 SIM = replace(FAST, inter_token_s=0.01)
@@ -238,3 +239,37 @@ async def exercise(
 
 async def _state_is(read: Any, engine: str, want: str | None) -> bool:
     return bool((await read()).get(engine) == want)
+
+
+async def test_each_worker_follows_the_pods_with_its_own_watcher(tmp_path: Path) -> None:
+    api = KubeApi()
+    await api.start()
+    try:
+        names = NAMES[:3]
+        async with SimFleet([replace(FAST, name=name) for name in names]) as sims:
+            port = {n: int(sims.engines[i].url.rsplit(":", 1)[1]) for i, n in enumerate(names)}
+            for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+                await api.put(pod(name, port[name], role))
+            path, journal = tmp_path / "fleet.toml", tmp_path / "j.jsonl"
+            fleet_file(path, journal, api.kubeconfig(tmp_path))
+            async with serve_workers(tmp_path, path.read_text(), 2, journal) as served:
+
+                async def workers_agree(want: set[str]) -> bool:
+                    engines = (await served.state())["engines"]
+                    both = {"0": "admitted", "1": "admitted"}
+                    return {e["id"] for e in engines} == want and all(
+                        e["worker_states"] == both for e in engines
+                    )
+
+                await until(lambda: workers_agree({"p0", "p1", "d0"}), "both workers' fleets")
+                body = {"model": MODEL, "prompt": "The sea is deep and", "max_tokens": 4}
+                results = await asyncio.gather(*(post_fresh(served.url, body) for _ in range(40)))
+                assert [status for status, _ in results] == [200] * 40
+                await api.delete("p1")
+                await until(lambda: workers_agree({"p0", "d0"}), "p1 gone from both workers")
+                metrics = await served.metrics()
+    finally:
+        await api.stop()
+    # Summed over the workers: each added three engines and removed one.
+    assert 'narwhal_discovery_changes_total{action="add"} 6.0' in metrics
+    assert 'narwhal_discovery_changes_total{action="remove"} 2.0' in metrics
