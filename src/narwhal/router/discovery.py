@@ -31,7 +31,13 @@ class FleetDiscovery:
     """Keeps the fleet's discovered engines following the selected pods."""
 
     def __init__(self, config: DiscoveryConfig, fleet: Fleet, operations: FleetOperations) -> None:
-        from narwhal.discovery.kubernetes import PodWatcher  # the optional client, only if on
+        try:  # the optional client, imported only when discovery is on
+            from narwhal.discovery.kubernetes import PodWatcher
+        except ImportError as error:
+            raise RuntimeError(
+                f"[discovery] needs the Kubernetes client ({error.name}): "
+                "pip install 'narwhal[kubernetes]'"
+            ) from error
 
         self.config = config
         self.fleet = fleet
