@@ -135,6 +135,20 @@ async def test_pods_added_drained_and_removed_under_load_fail_no_request(tmp_pat
     d0 = [kind for kind, engine in events if engine == "d0"]
     assert d0[:2] == ["added", "probe"] and d0[-3:] == ["draining", "drained", "removed"], d0
     assert ("readmitted", "d0") in events  # ready again after its unready spell
+    # d0's drains met requests still streaming there, and they finished (all are 200).
+    met = 0
+    for line in lines:
+        if line["type"] == "engine" and line["engine"] == "d0" and line["event"] == "draining":
+            drained = next(
+                later["ts"]
+                for later in lines
+                if later["type"] == "engine"
+                and later["engine"] == "d0"
+                and later["event"] == "drained"
+                and later["ts"] >= line["ts"]
+            )
+            met += sum(r["consumer"] == "d0" and line["ts"] <= r["ts"] <= drained for r in requests)
+    assert met > 0
     p0 = [kind for kind, engine in events if engine == "p0"]
     assert p0 == ["added", "probe", "readmitted", "draining", "drained", "removed"], p0
 
