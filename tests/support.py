@@ -250,9 +250,13 @@ def hold_readmission(stack: Stack) -> None:
 
 @asynccontextmanager
 async def serve_process(
-    config: Path, log: Path, env: dict[str, str] | None = None, wait_s: float = 90.0
+    config: Path,
+    log: Path,
+    env: dict[str, str] | None = None,
+    wait_s: float = 90.0,
+    args: Sequence[str] = (),
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """`narwhal serve` as its own process on a free port: yields it and its URL.
+    """`narwhal serve` (with `args`) as its own process on a free port: yields it and its URL.
 
     On the way out it is asked to stop with SIGTERM (killed if it will not), so the caller
     can assert on `returncode` after the block; stderr goes to `log`.
@@ -260,7 +264,7 @@ async def serve_process(
     with log.open("wb") as log_file:
         process = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "narwhal", "serve", "--config", str(config)),
-            *("--port", "0"),
+            *("--port", "0", *args),
             stdout=asyncio.subprocess.PIPE,
             stderr=log_file,
             env=env,
@@ -278,3 +282,24 @@ async def serve_process(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@asynccontextmanager
+async def peak_loads(engines: Sequence[SimEngine]) -> AsyncIterator[dict[SimEngine, int]]:
+    """The most each engine itself ran plus queued at once while the block ran, sampled
+    every 2 ms; the mapping is complete when the block has left."""
+    peak = dict.fromkeys(engines, 0)
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            for engine in engines:
+                peak[engine] = max(peak[engine], engine.running_count() + engine.waiting_count())
+            await asyncio.sleep(0.002)
+
+    watching = asyncio.create_task(watch())
+    try:
+        yield peak
+    finally:
+        done.set()
+        await watching

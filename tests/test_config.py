@@ -19,14 +19,10 @@ from hypothesis import strategies as st
 from narwhal.config import (
     Config,
     ConfigError,
-    ContractValue,
     EngineConfig,
-    EngineContract,
-    EngineSpec,
     JournalConfig,
     RecoveryConfig,
     RestartPolicy,
-    Role,
     ServerConfig,
     ServingConfig,
     load_config,
@@ -34,6 +30,7 @@ from narwhal.config import (
 )
 from narwhal.config_report import validate_command
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import ContractValue, EngineContract, EngineSpec, Role
 from narwhal.tracing_config import TracingConfig
 
 ROOT = Path(__file__).resolve().parent.parent

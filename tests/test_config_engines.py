@@ -6,13 +6,14 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, EngineSpec, Role, ServerConfig
+from narwhal.config import ConfigError, ServerConfig
 from narwhal.config_engines import (
     EnginePatch,
     parse_engine_entry,
     parse_engine_patch,
     problem_path,
 )
+from narwhal.engine_spec import EngineSpec, Role
 
 SERVER = ServerConfig()
 ENTRY: dict[str, Any] = {"id": "d9", "url": "http://10.0.0.9:8100/", "role": "decode"}

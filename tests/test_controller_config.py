@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, Role, parse_config
+from narwhal.config import ConfigError, parse_config
 from narwhal.controller_config import ControllerConfig
+from narwhal.engine_spec import Role
 
 
 def fleet(**extra: Any) -> dict[str, Any]:

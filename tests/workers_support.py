@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,7 @@ import aiohttp
 import orjson
 
 from narwhal.sim.fleet import SimFleet
+from support import serve_process
 
 MODEL = "narwhal-sim"
 
@@ -76,38 +75,16 @@ def fleet_toml(
 async def serve_workers(
     tmp_path: Path, config_text: str, workers: int, journal: Path
 ) -> AsyncIterator[Served]:
-    """`narwhal serve --workers N --port 0`, until its banner; SIGKILLed if still running
-    at the end (a test that stops it gracefully waits for it itself)."""
+    """`narwhal serve --workers N` until its banner; stopped with SIGTERM at the end (a test
+    that stops it itself waits for it itself). Its stderr goes to `serve.log`."""
     path = tmp_path / "fleet.toml"
     path.write_text(config_text)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "narwhal",
-        "serve",
-        "--config",
-        str(path),
-        "--port",
-        "0",
-        "--workers",
-        str(workers),
-        "--skip-preflight",
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        banner = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
-        assert "narwhal serving" in banner, banner
-        url = banner.split(" on ")[1].split()[0]
+    args = ("--workers", str(workers), "--skip-preflight")
+    async with serve_process(path, tmp_path / "serve.log", wait_s=60, args=args) as (
+        process,
+        url,
+    ):
         yield Served(process, url, journal)
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 async def post_fresh(url: str, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -11,16 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from narwhal.config import (
-    ConfigError,
-    EngineSpec,
-    Role,
-    ServerConfig,
-    is_router_address,
-    read_engine_spec,
-    url_address,
-)
+from narwhal.config import ConfigError, ServerConfig, is_router_address
 from narwhal.config_table import Problems, Table, show
+from narwhal.engine_spec import EngineSpec, Role, read_engine_spec, url_address
 
 # What a PATCH may change; anything else (the id, the url) means another engine.
 PATCHABLE = ("role", "max_prefill_seats", "max_decode_seats", "pin")

@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from narwhal.config import Config, ConfigError, Role, load_config
+from narwhal.config import Config, ConfigError, load_config
 from narwhal.config_table import show
 from narwhal.controller_config import controller_summary
 from narwhal.discovery_config import discovery_summary
+from narwhal.engine_spec import Role
 from narwhal.tracing_config import TracingConfig
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import aiohttp
 
-from narwhal.config import Config, ConfigError, EngineSpec, load_config
+from narwhal.config import Config, ConfigError, load_config
+from narwhal.engine_spec import EngineSpec
 from narwhal.engines.client import EngineClient
 from narwhal.engines.identity import (
     HANDOFF_FIELDS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kube_api import pod, set_ready
-from narwhal.config import EngineSpec, Role
 from narwhal.discovery.pods import Action, Held, PodView, plan, read_pod
 from narwhal.discovery_config import DiscoveryConfig
+from narwhal.engine_spec import EngineSpec, Role
 
 CONFIG = DiscoveryConfig(enabled=True, label_selector="app=vllm")
 

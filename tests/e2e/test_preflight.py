@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +15,7 @@ from narwhal.config import Config, parse_config
 from narwhal.preflight import format_report, run_preflight, transfer_pairs
 from narwhal.sim.faults import Fault
 from narwhal.sim.fleet import SimFleet
-from support import CONTRACT, FAST, MODEL
+from support import CONTRACT, FAST, MODEL, serve_process
 
 ROLES = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
 
@@ -191,33 +189,9 @@ async def test_serve_starts_with_only_a_short_request_deadline_set(tmp_path: Pat
         path = tmp_path / "fleet.json"
         data = {**fleet_config(fleet), "serving": {"request_timeout_s": 2.5}}
         path.write_text(json.dumps(data))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "narwhal",
-            "serve",
-            "--config",
-            str(path),
-            "--port",
-            str(port),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        try:
-            status = 0
-            async with aiohttp.ClientSession() as http:
-                for _ in range(300):
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(f"http://127.0.0.1:{port}/health") as response:
-                            status = response.status
-                    if status == 200 or process.returncode is not None:
-                        break
-                    await asyncio.sleep(0.1)
-            assert status == 200 and process.returncode is None
-        finally:
-            if process.returncode is None:
-                process.terminate()
-            await asyncio.wait_for(process.wait(), 60)
+        async with (
+            serve_process(path, tmp_path / "serve.log") as (process, url),
+            aiohttp.ClientSession() as http,
+            http.get(url + "/health") as response,
+        ):
+            assert response.status == 200 and process.returncode is None

@@ -11,7 +11,7 @@ from typing import Any
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
 from narwhal.sim.fleet import SimFleet
-from support import COMPLETION, FAST
+from support import COMPLETION, FAST, peak_loads
 from workers_support import post_fresh
 
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
@@ -47,23 +47,11 @@ async def test_two_replicas_keep_every_engine_within_its_seat_limits(tmp_path: P
             d0 = next(e for e in state["engines"] if e["id"] == "d0")
             # Each replica takes floor(5 / 2) decode seats: 4 of the 5 in all.
             assert d0["seats"]["decode"] == {"in_use": 0, "limit": 5, "share": 2}
-            peak = dict.fromkeys(fleet.engines, 0)
-            done = asyncio.Event()
-
-            async def watch() -> None:
-                while not done.is_set():
-                    for engine in fleet.engines:
-                        load = engine.running_count() + engine.waiting_count()
-                        peak[engine] = max(peak[engine], load)
-                    await asyncio.sleep(0.002)
-
             body: dict[str, Any] = {**COMPLETION, "max_tokens": 20, "stream": True}
-            watching = asyncio.create_task(watch())
-            results = await asyncio.gather(
-                *(post_fresh(routers[i % 2].url, body) for i in range(60))
-            )
-            done.set()
-            await watching
+            async with peak_loads(fleet.engines) as peak:
+                results = await asyncio.gather(
+                    *(post_fresh(routers[i % 2].url, body) for i in range(60))
+                )
             assert all(status == 200 and b"[DONE]" in answer for status, answer in results)
             prefill, *decode = fleet.engines
             assert peak[prefill] <= 4 and all(peak[e] <= 4 for e in decode), peak

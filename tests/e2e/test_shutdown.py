@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from pathlib import Path
 
 from narwhal.sim.fleet import SimFleet
-from support import COMPLETION, FAST, StackFactory, settled, sse_payloads, terminal_error
+from support import (
+    COMPLETION,
+    FAST,
+    StackFactory,
+    serve_process,
+    settled,
+    sse_payloads,
+    terminal_error,
+)
 
 STREAM = {**COMPLETION, "stream": True}
 
@@ -56,20 +63,6 @@ async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
             'model = "narwhal-sim"\n[server]\ngraceful_timeout_s = 2.0\n'
             f'[[engines]]\nid = "b0"\nurl = "{fleet.engines[0].url}"\nrole = "both"\n'
         )
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "narwhal",
-            "serve",
-            "--config",
-            str(path),
-            "--port",
-            "0",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        assert process.stdout is not None
-        banner = await asyncio.wait_for(process.stdout.readline(), 30)
-        assert b"narwhal serving" in banner
-        process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 15) == 0
+        async with serve_process(path, tmp_path / "serve.log") as (process, _):
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from narwhal.sim.fleet import SimFleet
-from support import FAST
+from support import FAST, peak_loads
 from workers_support import MODEL, Served, fleet_toml, post_fresh, serve_workers
 
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
@@ -175,21 +175,8 @@ async def test_two_workers_keep_every_engine_within_its_seat_limits(tmp_path: Pa
             state = await served.state()
             shares = {e["id"]: e["seats"] for e in state["engines"]}
             assert shares["d0"]["decode"] == {"in_use": 0, "limit": 3, "share": 3}
-            peak = dict.fromkeys(fleet.engines, 0)
-            done = asyncio.Event()
-
-            async def watch() -> None:
-                # What each engine itself has: running plus queued, sampled throughout.
-                while not done.is_set():
-                    for engine in fleet.engines:
-                        load = engine.running_count() + engine.waiting_count()
-                        peak[engine] = max(peak[engine], load)
-                    await asyncio.sleep(0.002)
-
-            watching = asyncio.create_task(watch())
-            results = await asyncio.gather(*(post_fresh(served.url, stream) for _ in range(60)))
-            done.set()
-            await watching
+            async with peak_loads(fleet.engines) as peak:
+                results = await asyncio.gather(*(post_fresh(served.url, stream) for _ in range(60)))
             assert all(status == 200 and b"[DONE]" in body for status, body in results)
             assert all(load <= 3 for load in peak.values()), peak
             # Loaded to their limits, so that the bound above was tested.

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.config import EngineSpec, Role
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.router.breaker import COUNTED, Breaker, counts, may_eject
 from narwhal.router.fleet import EngineEvent, Fleet

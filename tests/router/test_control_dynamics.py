@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from narwhal.config import Config, EngineSpec, Role
+from narwhal.config import Config
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.control_loop import ControlLoop
 from narwhal.router.controller import Decision, Observation
 from narwhal.router.fleet import EngineEvent, Fleet, Phase

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from narwhal.config import Config, EngineSpec, Role
+from narwhal.config import Config
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.control_loop import ControlLoop, split
 from narwhal.router.controller import TOWARD_PREFILL, Observation, PhaseLoad
 from narwhal.router.fleet import EngineEvent, Fleet, Phase

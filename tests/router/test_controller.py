@@ -7,8 +7,8 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.config import Role
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import Role
 from narwhal.router.controller import (
     TOWARD_DECODE,
     TOWARD_PREFILL,

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kube_api import pod, set_ready
-from narwhal.config import Config, EngineSpec, Role
+from narwhal.config import Config
 from narwhal.discovery_config import DiscoveryConfig
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.discovery import SOURCE, FleetDiscovery
 from narwhal.router.fleet import EngineEvent, Fleet
 from narwhal.router.operations import FleetOperations

@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 import pytest
 
-from narwhal.config import EngineSpec, Role
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE, EngineReport
 from narwhal.router.engine_reports import EngineReports, Window, judge_silence
 from narwhal.router.fleet import EngineEvent, Fleet

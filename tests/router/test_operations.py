@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import Config, EngineSpec, RecoveryConfig, RestartPolicy, Role
+from narwhal.config import Config, RecoveryConfig, RestartPolicy
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.engines.client import EngineClient
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.breaker import Breaker

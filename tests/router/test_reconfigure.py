@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.config import Config, EngineSpec, RecoveryConfig, Role, ServerConfig, parse_config
+from narwhal.config import Config, RecoveryConfig, ServerConfig, parse_config
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.reconfigure import IN_PLACE, Change, Plan, diff_engines, plan, restart_only
 
 P0 = EngineSpec("p0", "http://10.0.0.1:8100", Role.PREFILL)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.config import EngineSpec, Role
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.fleet import Engine, Phase
 from narwhal.router.seat_share import WHOLE, SeatShare, others_load
 

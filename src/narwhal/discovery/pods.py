@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.config import EngineSpec, Role
 from narwhal.config_engines import same_engine_url
 from narwhal.discovery_config import DiscoveryConfig
+from narwhal.engine_spec import EngineSpec, Role
 
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # What `EngineSpec` fields discovery sets, and so may change in place.

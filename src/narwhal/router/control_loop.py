@@ -15,8 +15,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.config import Role
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import Role
 from narwhal.router.controller import (
     ControlState,
     Decision,

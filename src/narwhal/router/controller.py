@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from narwhal.config import Role
 from narwhal.controller_config import ControllerConfig, SloConfig
+from narwhal.engine_spec import Role
 
 # Reasons a move is made (the metric's label values) and reasons to hold.
 TOWARD_PREFILL = "ttft_pressure"

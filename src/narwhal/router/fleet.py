@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from narwhal.config import EngineSpec, Role
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.engines.scrape import EngineReport
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.seat_share import WHOLE, SeatShare

@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from narwhal.config import Role
+from narwhal.engine_spec import Role
 from narwhal.engines.handoff import DescriptorRejected
 from narwhal.protocol.errors import Cause
 from narwhal.router.controller import MOVE_REASONS

@@ -40,13 +40,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from narwhal.config import Config, ConfigError, EngineSpec, Role, load_config
+from narwhal.config import Config, ConfigError, load_config
 from narwhal.config_engines import (
     parse_engine_entry,
     parse_engine_patch,
     problem_path,
     same_engine_url,
 )
+from narwhal.engine_spec import EngineSpec, Role
 from narwhal.router.fleet import Engine, EngineEvent, EngineState, Fleet, Phase
 from narwhal.router.reconfigure import IN_PLACE, Plan, plan
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config
+from narwhal.engine_spec import EngineSpec
 
 # EngineSpec fields an engine may change in place, in the order they are reported.
 IN_PLACE = ("role", "max_prefill_seats", "max_decode_seats", "identity_url", "kv_hosts")
