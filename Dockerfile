@@ -8,7 +8,8 @@ FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# With the `kubernetes` extra: the chart's engine discovery needs its client.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[kubernetes]"
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \

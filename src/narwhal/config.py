@@ -24,6 +24,7 @@ from narwhal.controller_config import (
     parse_controller,
     parse_slo,
 )
+from narwhal.discovery_config import DiscoveryConfig, parse_discovery
 from narwhal.engine_spec import (
     EngineContract,
     EngineSpec,
@@ -141,6 +142,7 @@ class Config:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -234,7 +236,9 @@ def _build(raw: object, source: str) -> Config:
     continuation = parse_continuation(top.table("continuation"))
     contract_table = top.optional_table("engine_contract")
     contract = parse_contract(contract_table) if contract_table else None
-    entries = top.items("engines")
+    discovery = parse_discovery(top.table("discovery"))
+    # With discovery on, `[[engines]]` may be absent: the pods are the fleet.
+    entries = top.items("engines", required=not discovery.enabled)
     engines: dict[str, EngineSpec] = {}
     for index, entry in enumerate(entries or ()):
         table = Table(problems, f"engines[{index}]", entry)
@@ -254,12 +258,13 @@ def _build(raw: object, source: str) -> Config:
         controller,
         slo,
         continuation,
+        discovery,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)
     if entries is not None:
         complete = len(engines) == len(entries)
-        _check_engines(engines, complete, config.server, problems)
+        _check_engines(engines, complete, config.server, problems, discovery.enabled)
     if (
         contract
         and contract.model is not None
@@ -412,15 +417,19 @@ def _check_timeouts(config: Config, problems: Problems) -> None:
 
 
 def _check_engines(
-    engines: Mapping[str, EngineSpec], complete: bool, server: ServerConfig, problems: Problems
+    engines: Mapping[str, EngineSpec],
+    complete: bool,
+    server: ServerConfig,
+    problems: Problems,
+    discovered: bool = False,
 ) -> None:
     """The fleet as a whole: non-empty, both legs servable, no engine listed twice.
 
     `engines` maps each entry's key path to its spec; `complete` is False when an entry was
-    not a table and so is missing from it.
+    not a table and so is missing from it. With `discovered`, pods may supply any phase.
     """
     if not engines:
-        if complete:
+        if complete and not discovered:
             problems.add("engines", "at least one engine is required")
         return
     seen_ids: set[str] = set()
@@ -442,7 +451,7 @@ def _check_engines(
                     f"server.port {server.port}), got {show(spec.url)}",
                 )
     # A stand-in role must not decide whether the fleet can serve a leg.
-    if not complete or any(problems.failed(f"{path}.role") for path in engines):
+    if discovered or not complete or any(problems.failed(f"{path}.role") for path in engines):
         return
     if not any(spec.starting_role.can_prefill for spec in engines.values()):
         problems.add("engines", 'no engine may prefill: give one the role "prefill" or "both"')

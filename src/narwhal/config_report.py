@@ -12,6 +12,7 @@ from pathlib import Path
 from narwhal.config import Config, ConfigError, load_config
 from narwhal.config_table import show
 from narwhal.controller_config import controller_summary
+from narwhal.discovery_config import discovery_summary
 from narwhal.engine_spec import Role
 from narwhal.tracing_config import TracingConfig
 
@@ -67,6 +68,8 @@ def summary(config: Config, source: str) -> str:
         f"  engine contract: {pinned}",
         f"  tracing: {tracing_summary(config.tracing)}",
     ]
+    if config.discovery.enabled:
+        lines.append(f"  discovery: {discovery_summary(config.discovery)}")
     if config.controller.enabled:
         lines.append(f"  role controller: {controller_summary(config.controller, config.slo)}")
     if config.server.workers != 1 or config.server.replicas != 1:

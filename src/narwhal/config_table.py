@@ -214,9 +214,9 @@ class Table:
         table = self.table(key)
         return table if isinstance(self._raw[key], Mapping) else None
 
-    def items(self, key: str) -> list[object] | None:
-        """A required list (`[[key]]` in TOML); None when absent or not a list."""
-        value = self.take(key, required=True)
+    def items(self, key: str, *, required: bool = True) -> list[object] | None:
+        """A list (`[[key]]` in TOML); None when absent or not a list."""
+        value = self.take(key, required=required)
         if value is MISSING:
             return None
         if not isinstance(value, list):

@@ -28,6 +28,10 @@ EVERYTHING: dict[str, Any] = {
 EXISTING: dict[str, Any] = {
     "credentials": {"existingSecret": {"name": "keys", "adminApiKeys": True}},
 }
+DISCOVERY: dict[str, Any] = {
+    "discovery": {"enabled": True, "namespace": "engines", "settings": {"port_name": "http"}},
+    "config": {"engines": []},
+}
 
 
 def render(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -54,14 +58,19 @@ def round_trip(document: dict[str, Any]) -> Any:
     return api.sanitize_for_serialization(model)  # type: ignore[no-untyped-call]
 
 
-def test_helm_lint_strict_finds_nothing_wrong() -> None:
-    report = helm.lint(str(CHART), strict=True)
+@pytest.mark.parametrize("values", [{}, DISCOVERY], ids=["defaults", "discovery"])
+def test_helm_lint_strict_finds_nothing_wrong(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), values, strict=True)
     assert report["errors"] == []
     # Severity 1 is information ("icon is recommended"); 2 and up are warnings or errors.
     assert [m for m in report["messages"] if m["severity"] > 1] == []
 
 
-@pytest.mark.parametrize("values", [{}, EVERYTHING, EXISTING], ids=["defaults", "all", "existing"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, EVERYTHING, EXISTING, DISCOVERY],
+    ids=["defaults", "all", "existing", "discovery"],
+)
 def test_every_manifest_is_a_valid_kubernetes_object(values: dict[str, Any]) -> None:
     for kind, document in render(values).items():
         if kind == "ServiceMonitor":  # a CRD: checked by its own test below
@@ -134,3 +143,45 @@ def test_service_budget_and_monitor_select_the_routers_pods() -> None:
     assert endpoint["port"] == manifests["Service"]["spec"]["ports"][0]["name"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["authorization"]["credentials"]["key"] == "admin-api-keys"
+
+
+def test_discovery_reads_pods_with_its_own_token_and_a_read_only_role() -> None:
+    manifests = render(DISCOVERY)
+    config = parse_config(json.loads(manifests["ConfigMap"]["data"]["fleet.json"]), "chart")
+    found = config.discovery
+    assert found.enabled and config.engines == ()
+    assert (found.namespace, found.credentials.value, found.port_name) == (
+        "engines",
+        "in_cluster",
+        "http",
+    )
+    assert found.label_selector == "app.kubernetes.io/component=vllm-engine"
+    account = manifests["ServiceAccount"]
+    assert account["automountServiceAccountToken"] is True
+    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    role, binding = manifests["Role"], manifests["RoleBinding"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "engines"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": "serving",
+        }
+    ]
+
+
+def test_without_discovery_no_rbac_and_no_token() -> None:
+    manifests = render({})
+    assert not {"Role", "RoleBinding"} & set(manifests)
+    assert manifests["ServiceAccount"]["automountServiceAccountToken"] is False
+    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False

@@ -110,6 +110,9 @@ class Engine:
     acting: Role | None = None
     # Event-loop time of its last role change by the controller; None: since start.
     role_since: float | None = None
+    # Where it came from: None for the config file and the admin API, "kubernetes" for
+    # discovery. Placement never reads it; reloads and discovery each keep to their own.
+    source: str | None = None
 
     @property
     def role(self) -> Role:

@@ -266,6 +266,8 @@ class _ScrapeTimeCollector(Collector):
         yield from _engine_metrics(router)
         if router.controller is not None:
             yield from _controller_metrics(router.controller)
+        if router.discovery is not None:
+            yield from router.discovery.metrics()
 
 
 def _controller_metrics(controller: ControlLoop) -> Iterator[Metric]:

@@ -117,6 +117,8 @@ class FleetOperations:
         self.fleet = fleet
         self.config = config
         self.config_path = config_path
+        # Why each engine on its way out goes (for its `removed` event).
+        self._removal_why: dict[str, str] = {}
         fleet.listeners.append(self._on_event)
 
     def engine(self, engine_id: str) -> Engine:
@@ -268,7 +270,9 @@ class FleetOperations:
                 + "; ".join(error.problems),
                 problems=error.problems,
             ) from None
-        changes = plan([e.spec for e in self.fleet.engines], self.config, loaded)
+        # Discovered engines are discovery's to add and remove, not the file's.
+        filed = [e.spec for e in self.fleet.engines if e.source is None]
+        changes = plan(filed, self.config, loaded)
         if changes.problems:
             raise OperationError(
                 400,
@@ -309,19 +313,44 @@ class FleetOperations:
         why = f"reload of {self.config_path}"
         for engine in list(self.fleet.engines):
             # Back in the file while a reload's drain was still under way: it stays.
-            if engine.remove_when_drained and engine.id not in changes.remove:
+            filed = engine.source is None
+            if filed and engine.remove_when_drained and engine.id not in changes.remove:
                 self._undrain(engine, f"{why}: back in the config file")
         for change in changes.change:
             self._change(self.fleet.by_id[change.spec.id], change.spec, why=why)
         for spec in changes.add:
             self._add(spec, why)
         for engine_id in changes.remove:
-            engine = self.fleet.by_id[engine_id]
-            engine.remove_when_drained = True
-            if engine.draining:
-                self.fleet.drain(engine)  # idle already: removed at once
-            else:
-                self._drain(engine, f"{why}: not in the file; deleted once drained")
+            self.retire(self.fleet.by_id[engine_id], f"{why}: not in the file")
+
+    # For engine sources (discovery): the same changes, each with its reason ----------
+
+    def add_from(self, source: str, spec: EngineSpec, why: str) -> Engine:
+        """A new engine found by `source`; readmission judges it before it takes work."""
+        engine = self.fleet.add(spec)
+        engine.source = source
+        self.fleet.emit(EngineEvent("added", spec.id, f"{_describe(spec)}; {why}"))
+        return engine
+
+    def drain_for(self, engine: Engine, why: str) -> None:
+        """No new work; no phase floor: the source says the engine cannot take it."""
+        self._drain(engine, why)
+
+    def undrain_for(self, engine: Engine, why: str) -> None:
+        self._undrain(engine, why)
+
+    def change_for(self, engine: Engine, spec: EngineSpec, why: str) -> None:
+        self._change(engine, spec, why=why)
+
+    def retire(self, engine: Engine, why: str) -> None:
+        """Drain the engine and delete it once its last request has finished."""
+        engine.remove_when_drained = True
+        self._removal_why[engine.id] = why
+        if not engine.draining:
+            self._drain(engine, f"{why}; deleted once drained")
+        elif not engine.busy():
+            self._remove(engine, why)
+        # Else draining with requests still there: its `drained` event removes it.
 
     def _refuse_clash(self, spec: EngineSpec) -> None:
         if spec.id in self.fleet.by_id:
@@ -370,15 +399,16 @@ class FleetOperations:
 
     def _remove(self, engine: Engine, why: str) -> None:
         self.fleet.remove(engine)
+        self._removal_why.pop(engine.id, None)
         self.fleet.emit(EngineEvent("removed", engine.id, why))
 
     def _on_event(self, event: EngineEvent) -> None:
-        """A reload's dropped engine goes once its last request has finished."""
+        """An engine a reload or a source dropped goes once its last request has finished."""
         if event.kind != "drained":
             return
         engine = self.fleet.by_id.get(event.engine)
         if engine is not None and engine.remove_when_drained:
-            self._remove(engine, f"reload of {self.config_path}: not in the file")
+            self._remove(engine, self._removal_why.pop(engine.id, "dropped"))
 
 
 def _serves(spec: EngineSpec, phase: Phase) -> bool:

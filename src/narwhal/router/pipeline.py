@@ -39,6 +39,7 @@ from narwhal.router.continuation import (
     with_token_ids,
 )
 from narwhal.router.control_loop import ControlLoop
+from narwhal.router.discovery import FleetDiscovery
 from narwhal.router.engine_reports import EngineReports
 from narwhal.router.events import engine_entry, log_call, log_engine_event
 from narwhal.router.fleet import EngineEvent, Fleet, Phase, Reservation
@@ -150,6 +151,12 @@ class Router:
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
+        # Engines found as pods, only when `[discovery] enabled`.
+        self.discovery = (
+            FleetDiscovery(config.discovery, self.fleet, self.operations)
+            if config.discovery.enabled
+            else None
+        )
         # The role controller, only when `[controller] enabled`.
         self.controller: ControlLoop | None = None
         self._controlling: asyncio.Task[None] | None = None
@@ -174,9 +181,13 @@ class Router:
             self._reading = asyncio.create_task(reports.run(), name="engine-reports")
         if self.controller is not None:
             self._controlling = asyncio.create_task(self.controller.run(), name="role-controller")
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
         await self.releases.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         for task in (self._readmitting, self._reading, self._controlling):
             if task is not None:
                 task.cancel()

@@ -49,6 +49,9 @@ def snapshot(router: Router) -> dict[str, Any]:
         "controller": (
             router.controller.summary() if router.controller is not None else {"enabled": False}
         ),
+        "discovery": (
+            router.discovery.summary() if router.discovery is not None else {"enabled": False}
+        ),
     }
 
 
@@ -73,8 +76,10 @@ def engine_entry(
         "probes": dict(engine.probes),
         # Set by operators (see `operations`): stored for a role controller, shown here.
         "pinned": engine.pinned,
-        # A reload dropped it from the config file: deleted once drained.
+        # A reload or discovery dropped it: deleted once drained.
         "removing": engine.remove_when_drained,
+        # None: the config file or the admin API; "kubernetes": discovery.
+        "source": engine.source,
         # `limit`: the engine's (0: none); `share`: this process's part of it (`seat_share`).
         "seats": {
             "prefill": {

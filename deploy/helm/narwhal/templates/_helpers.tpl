@@ -26,6 +26,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{- define "narwhal.discoveryNamespace" -}}
+{{- default .Release.Namespace .Values.discovery.namespace -}}
+{{- end -}}
+
 {{- define "narwhal.secretName" -}}
 {{- default (include "narwhal.fullname" .) .Values.credentials.existingSecret.name -}}
 {{- end -}}
@@ -61,5 +65,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 {{- $config = mustMergeOverwrite $config (dict "server" $server "engine" $engine) -}}
+{{- if .Values.discovery.enabled -}}
+{{- $found := dict "enabled" true "kind" "kubernetes" "credentials" "in_cluster" "namespace" (include "narwhal.discoveryNamespace" .) "label_selector" .Values.discovery.labelSelector -}}
+{{- $_ := set $config "discovery" (mustMergeOverwrite (deepCopy .Values.discovery.settings) $found) -}}
+{{- end -}}
 {{- toPrettyJson $config -}}
 {{- end -}}
