@@ -21,14 +21,11 @@ from narwhal.config import Config
 from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
-from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
-from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.ids import new_id
-from narwhal.protocol.sse import SseError
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
-from narwhal.router.assemble import answer_body
 from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
@@ -51,6 +48,7 @@ from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
 from narwhal.router.rescue import Rescue
+from narwhal.router.respond import answer_error, collect, read_body, relay
 from narwhal.router.seat_share import SeatShare
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
@@ -58,13 +56,6 @@ from narwhal.tracing_config import resolve_tracing
 
 if TYPE_CHECKING:
     from narwhal.router.tracing import Tracing
-
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def shutting_down() -> NarwhalError:
@@ -249,7 +240,7 @@ class Router:
                 return call.committed or web.Response(status=CLIENT_CLOSED)
         except NarwhalError as error:
             call.fail(error)
-            return await _answer_error(request, call, error)
+            return await answer_error(request, call, error)
         except asyncio.CancelledError:
             if not self._shut_out(task):
                 call.status, call.error = CLIENT_CLOSED, "client closed the connection"
@@ -257,7 +248,7 @@ class Router:
             # The router is stopping and this request outlived the grace period.
             ended = shut_down()
             call.fail(ended)
-            return await _answer_error(request, call, ended)
+            return await answer_error(request, call, ended)
         finally:
             self.in_flight -= 1
             self._tasks.discard(task)
@@ -294,7 +285,7 @@ class Router:
     async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
         client_request = parse_client_request(
             call.endpoint,
-            await _read_body(request, self.config.server.client_timeout_s),
+            await read_body(request, self.config.server.client_timeout_s),
             self.config.model,
         )
         call.stream = client_request.stream
@@ -310,9 +301,9 @@ class Router:
                 for hook in self.first_token_hooks:
                     hook(call, call.stage_at)
                 if client_request.stream:
-                    response = await _relay(request, call, stream)
+                    response = await relay(request, call, stream)
                 else:
-                    response = await _collect(stream, call)
+                    response = await collect(stream, call)
         except NarwhalError as error:
             self._blame(error, reservation)
             if error.is_engine_fault and error.engine == reservation.consumer.id:
@@ -537,92 +528,3 @@ def _start_tracing(config: Config) -> Tracing | None:
     from narwhal.router.tracing import Tracing
 
     return Tracing.start(settings, config.model)
-
-
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise client_error(
-            413,
-            f"request body exceeds {request.client_max_size} bytes (serving.max_request_bytes)",
-        ) from None
-    except TimeoutError:
-        raise client_error(
-            408, f"request body not received within {timeout_s:g} s (server.client_timeout_s)"
-        ) from None
-
-
-class _SseResponse(web.StreamResponse):
-    """An event stream whose headers go out with its first bytes: one write, not two."""
-
-    _send_headers_immediately = False
-
-
-async def _relay(request: web.Request, call: Call, stream: DecodeStream) -> web.StreamResponse:
-    """Commit the 200 (output exists by now) and forward engine bytes as they come.
-
-    Each block holds everything that had arrived; the last one goes with [DONE] and the
-    end of the answer, so a stream costs as few writes as the engine's reads allow.
-    """
-    response = _SseResponse(headers={**SSE_HEADERS, "X-Request-Id": call.request_id})
-    await response.prepare(request)
-    call.committed = response
-    last = b""
-    async for data in stream:
-        if stream.done:
-            last = data
-        else:
-            await response.write(data)
-    call.output_tokens = _completion_tokens(stream.usage)
-    call.status = 200
-    await response.write_eof(last + DONE_EVENT)
-    return response
-
-
-async def _collect(stream: DecodeStream, call: Call) -> web.Response:
-    """The whole stream, then one answer shaped as the engine's own non-streaming one."""
-    block = b"".join([data async for data in stream])
-    try:
-        body, usage = answer_body(call.endpoint, block, stream.usage_chunk, stream.usage)
-    except SseError as exc:
-        # Relayed events only had their framing checked; here each must parse.
-        raise bad_stream(exc, stream.engine) from None
-    call.output_tokens = _completion_tokens(usage)
-    call.status = 200
-    return web.Response(
-        body=body, content_type="application/json", headers={"X-Request-Id": call.request_id}
-    )
-
-
-def _completion_tokens(usage: dict[str, Any] | None) -> int | None:
-    tokens = (usage or {}).get("completion_tokens")
-    return tokens if type(tokens) is int else None
-
-
-async def _answer_error(
-    request: web.Request, call: Call, error: NarwhalError
-) -> web.StreamResponse:
-    """An HTTP error before the 200; a terminal SSE error event after it."""
-    if call.committed is None:
-        response = web.Response(
-            status=error.status,
-            body=error.json(),
-            content_type="application/json",
-            headers={"X-Request-Id": call.request_id, **error.headers()},
-        )
-        if error.status == 408:
-            # A client too slow to send its body gets no more time: close once the answer
-            # is out, rather than linger reading the rest.
-            with contextlib.suppress(ConnectionResetError):
-                await response.prepare(request)
-                await response.write_eof()
-            request.protocol.force_close()
-        return response
-    try:
-        await call.committed.write(error.sse_event())
-        await call.committed.write_eof()
-    except ConnectionResetError:
-        pass
-    return call.committed

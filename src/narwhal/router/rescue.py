@@ -34,6 +34,7 @@ from narwhal.router.continuation import (
 )
 from narwhal.router.fleet import Reservation
 from narwhal.router.progress import Progress
+from narwhal.router.respond import DONE_EVENT, SSE_HEADERS, completion_tokens
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -42,12 +43,6 @@ if TYPE_CHECKING:
 # an SSE comment in a stream, a response header (`X-Narwhal-Continuations`) otherwise.
 REPORT_HEADER = "X-Narwhal-Continuation"
 COUNT_HEADER = "X-Narwhal-Continuations"
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def _sse(chunk: dict[str, Any]) -> bytes:
@@ -262,7 +257,7 @@ class Rescue:
             # The answer's ids are all in, but its usage went missing with its engine.
             prompt = len(progress.prompt_ids or ())
             usage = merged_usage(prompt, len(progress.ids), None)
-        call.output_tokens = _completion_tokens(usage)
+        call.output_tokens = completion_tokens(usage)
         call.status = 200
         if self.assembler is not None:
             self.assembler.usage = usage
@@ -289,8 +284,3 @@ def _payloads(block: bytes, engine: str) -> list[dict[str, Any]]:
         return block_payloads(block)
     except SseError as exc:
         raise bad_stream(exc, engine) from None
-
-
-def _completion_tokens(usage: dict[str, Any] | None) -> int | None:
-    tokens = (usage or {}).get("completion_tokens")
-    return tokens if type(tokens) is int else None
