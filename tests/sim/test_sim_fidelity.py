@@ -48,3 +48,28 @@ def test_the_comparison_finds_a_missing_member_and_a_changed_type() -> None:
         "body.a: vLLM number, simulator str",
         "body.b: vLLM sends it, the simulator does not",
     ]
+
+
+def _stream(*deltas: dict[str, str]) -> dict[str, object]:
+    """A chat stream's capture: a token event for every delta but the last, then the final."""
+    events: list[object] = [
+        {"choices": [{"delta": delta, "finish_reason": None}]} for delta in deltas[:-1]
+    ]
+    events.append({"choices": [{"delta": deltas[-1], "finish_reason": "length"}]})
+    events.append("[DONE]")
+    raw = "".join(f"data: {event}\n\n" for event in events)
+    return {"status": 200, "content_type": "text/event-stream", "raw": raw, "events": events}
+
+
+def test_reasoning_and_content_text_are_one_member() -> None:
+    # What the tiny model writes differs by machine: thinking on one, a reply on another.
+    real = _stream({"reasoning": "A"}, {"reasoning": "."})
+    assert differences(real, _stream({}, {"content": "A"}, {})) == []
+
+
+def test_a_token_event_without_any_text_member_is_still_found() -> None:
+    real = _stream({"reasoning": "A"}, {"reasoning": "."})
+    assert sorted(differences(real, _stream({"other": "A"}, {}))) == [
+        "token.choices[0].delta.other: the simulator sends it, vLLM does not",
+        "token.choices[0].delta.text: vLLM sends it, the simulator does not",
+    ]
