@@ -32,6 +32,7 @@ from narwhal.engine_spec import (
     read_engine_spec,
     url_address,
 )
+from narwhal.placement_config import PlacementConfig, parse_placement
 from narwhal.tracing_config import TracingConfig, parse_tracing
 from narwhal.workers_config import Workers, parse_replicas, parse_workers
 
@@ -143,6 +144,7 @@ class Config:
     slo: SloConfig = field(default_factory=SloConfig)
     continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -237,6 +239,7 @@ def _build(raw: object, source: str) -> Config:
     contract_table = top.optional_table("engine_contract")
     contract = parse_contract(contract_table) if contract_table else None
     discovery = parse_discovery(top.table("discovery"))
+    placement = parse_placement(top.table("placement"))
     # With discovery on, `[[engines]]` may be absent: the pods are the fleet.
     entries = top.items("engines", required=not discovery.enabled)
     engines: dict[str, EngineSpec] = {}
@@ -259,12 +262,17 @@ def _build(raw: object, source: str) -> Config:
         slo,
         continuation,
         discovery,
+        placement,
     )
     config = _derive_defaults(config, raw)
     _check_timeouts(config, problems)
     if entries is not None:
         complete = len(engines) == len(entries)
         _check_engines(engines, complete, config.server, problems, discovery.enabled)
+        ids = {spec.id for spec in engines.values()}
+        for name in placement.kv_events:
+            if complete and not discovery.enabled and name not in ids:
+                problems.add(f"placement.kv_events.{name}", "names no engine in [[engines]]")
     if (
         contract
         and contract.model is not None

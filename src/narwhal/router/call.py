@@ -68,6 +68,8 @@ class Call:
     retry_denied: bool = False
     # Some attempt was placed on an engine that was not admitted (panic placement).
     panic: bool = False
+    # The prompt's prefix placement expected its producer to hold, in chunks (last attempt).
+    prefix_matched: int = 0
     # Every attempt's handoff kind, and every failure (failed attempts', then the final).
     handoffs: list[str] = field(default_factory=list)
     errors: list[NarwhalError] = field(default_factory=list)
@@ -159,6 +161,7 @@ class Call:
             "crossed": None if self.handoff is None else self.handoff in _CROSSED,
             "handoff": self.handoff,
             "panic": self.panic,
+            "prefix_matched": self.prefix_matched,
             "attempts": self.attempts,
             "retry_denied": self.retry_denied,
             "backend_request_ids": self.backend_request_ids,

@@ -34,7 +34,9 @@ from enum import StrEnum
 
 from narwhal.engine_spec import EngineSpec, Role
 from narwhal.engines.scrape import EngineReport
+from narwhal.placement_config import PlacementConfig
 from narwhal.protocol.errors import Cause, NarwhalError
+from narwhal.router.placement import Placer, PromptKey
 from narwhal.router.seat_share import WHOLE, SeatShare
 
 NOT_YET_PROBED = "added at runtime: waiting for its first probe"
@@ -220,6 +222,8 @@ class Reservation:
     fallback: bool = False
     # The consumer was not admitted: panic placement.
     panic: bool = False
+    # The prompt's prefix placement expects the producer to hold (`router.placement`).
+    prefix_matched: int = 0
 
     @property
     def crossed(self) -> bool:
@@ -245,6 +249,7 @@ class Reservation:
 @dataclass(eq=False, slots=True)
 class _Waiter:
     avoid: frozenset[str]
+    key: PromptKey | None
     future: asyncio.Future[Reservation]
 
 
@@ -259,8 +264,10 @@ class Fleet:
         queue_timeout_s: float = 30.0,
         rng: random.Random | None = None,
         share: SeatShare = WHOLE,
+        placement: PlacementConfig | None = None,
     ) -> None:
-        """`share`: this process's part of every engine's seat limits."""
+        """`share`: this process's part of every engine's seat limits; `placement`: how
+        an engine is chosen among those with a seat (`router.placement`)."""
         self.share = share
         self.engines = [_engine(spec, share) for spec in specs]
         self.by_id = {engine.id: engine for engine in self.engines}
@@ -268,6 +275,7 @@ class Fleet:
         self.queue_timeout_s = queue_timeout_s
         self._queue: deque[_Waiter] = deque()
         self._rng = rng or random.Random()
+        self.placer = Placer(placement or PlacementConfig(), self._rng)
         self._waking = False
         self.listeners: list[EventListener] = []
         # Draining engines whose `drained` event is still to come.
@@ -316,6 +324,7 @@ class Fleet:
         """Forget an engine; the caller made sure no request holds its seats."""
         self.engines.remove(engine)
         del self.by_id[engine.id]
+        self.placer.index.clear(engine.id)
         self._draining.discard(engine)
 
     def drain(self, engine: Engine) -> None:
@@ -339,10 +348,13 @@ class Fleet:
 
     # Placement ---------------------------------------------------------------------
 
-    def try_reserve(self, avoid: frozenset[str] = frozenset()) -> Reservation | None:
+    def try_reserve(
+        self, avoid: frozenset[str] = frozenset(), key: PromptKey | None = None
+    ) -> Reservation | None:
         """Seats on a producer and a consumer now, or None if no pair is free.
 
-        Power of two choices over the load estimate; engines in `avoid` (they failed this
+        The placement policy chooses among engines with a seat (power of two choices over
+        the load estimate without a prompt `key`); engines in `avoid` (they failed this
         request before) only when nothing else has a seat. The same engine serves both
         phases only when no distinct admitted consumer exists. Without an admitted
         producer, aggregate fallback; without an admitted consumer, panic placement (the
@@ -357,31 +369,46 @@ class Fleet:
                 raise self._unservable(Phase.DECODE)
         producers = self.admitted(Phase.PREFILL, now)
         if not [p for p in producers if p.id not in avoid]:
-            return self._fallback(consumers, avoid, panic)
-        producer = self._pick([e for e in producers if e.has_seat(Phase.PREFILL)], avoid)
+            return self._fallback(consumers, avoid, panic, key)
+        free = [e for e in producers if e.has_seat(Phase.PREFILL)]
+        producer, matched = self._pick(Phase.PREFILL, free, avoid, key)
         if producer is None:
             return None
         distinct = [c for c in consumers if c is not producer]
         pool = distinct or consumers
-        consumer = self._pick([c for c in pool if c.has_seat(Phase.DECODE)], avoid)
+        consumer, _ = self._pick(
+            Phase.DECODE, [c for c in pool if c.has_seat(Phase.DECODE)], avoid, key
+        )
         if consumer is None:
             return None
         producer.prefill_seats += 1
         consumer.decode_seats += 1
         if panic:
             consumer.panics += 1
-        return Reservation(self, producer, consumer, panic=panic)
+        self.placer.placed(Phase.PREFILL, producer.id, key)
+        self.placer.placed(Phase.DECODE, consumer.id, key)
+        return Reservation(self, producer, consumer, panic=panic, prefix_matched=matched)
 
     def _fallback(
-        self, consumers: list[Engine], avoid: frozenset[str], panic: bool
+        self, consumers: list[Engine], avoid: frozenset[str], panic: bool, key: PromptKey | None
     ) -> Reservation | None:
-        consumer = self._pick([c for c in consumers if c.has_seat(Phase.DECODE)], avoid)
+        free = [c for c in consumers if c.has_seat(Phase.DECODE)]
+        consumer, matched = self._pick(Phase.DECODE, free, avoid, key)
         if consumer is None:
             return None
         consumer.decode_seats += 1
         if panic:
             consumer.panics += 1
-        return Reservation(self, consumer, consumer, prefill_held=False, fallback=True, panic=panic)
+        self.placer.placed(Phase.DECODE, consumer.id, key)
+        return Reservation(
+            self,
+            consumer,
+            consumer,
+            prefill_held=False,
+            fallback=True,
+            panic=panic,
+            prefix_matched=matched,
+        )
 
     def panic_candidates(self, phase: Phase, now: float) -> list[Engine]:
         """Engines of `phase` that are out of placement but may still serve: not refusing
@@ -412,23 +439,24 @@ class Fleet:
             retry_after=1,
         )
 
-    def _pick(self, candidates: list[Engine], avoid: frozenset[str]) -> Engine | None:
+    def _pick(
+        self, phase: Phase, candidates: list[Engine], avoid: frozenset[str], key: PromptKey | None
+    ) -> tuple[Engine | None, int]:
         preferred = [e for e in candidates if e.id not in avoid] or candidates
-        if len(preferred) <= 2:
-            return min(preferred, key=Engine.load, default=None)
-        first, second = self._rng.sample(preferred, 2)
-        return first if first.load() <= second.load() else second
+        return self.placer.choose(phase.value, preferred, key)
 
     # Waiting for a seat ------------------------------------------------------------
 
-    async def reserve(self, avoid: frozenset[str] = frozenset()) -> Reservation:
+    async def reserve(
+        self, avoid: frozenset[str] = frozenset(), key: PromptKey | None = None
+    ) -> Reservation:
         """A reservation, waiting in arrival order for up to `queue_timeout_s`.
 
         The request's own deadline (an enclosing timeout) may end the wait sooner; a
         waiter that leaves for any reason never keeps a seat.
         """
         if not self._queue:
-            reservation = self.try_reserve(avoid)
+            reservation = self.try_reserve(avoid, key)
             if reservation is not None:
                 return reservation
         if len(self._queue) >= self.queue_capacity:
@@ -439,7 +467,7 @@ class Fleet:
                 Cause.UNAVAILABLE,
                 retry_after=1,
             )
-        waiter = _Waiter(avoid, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(avoid, key, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         try:
             async with asyncio.timeout(self.queue_timeout_s):
@@ -481,7 +509,7 @@ class Fleet:
                     self._queue.popleft()
                     continue
                 try:
-                    reservation = self.try_reserve(head.avoid)
+                    reservation = self.try_reserve(head.avoid, head.key)
                 except NarwhalError as error:
                     self._queue.popleft()
                     head.future.set_exception(error)

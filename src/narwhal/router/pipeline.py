@@ -21,6 +21,7 @@ from narwhal.config import Config
 from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.kv_events import KvEventFeeds
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.ids import new_id
@@ -95,7 +96,10 @@ class Router:
             queue_capacity=config.serving.queue_capacity,
             queue_timeout_s=config.serving.queue_timeout_s,
             share=seat_share or SeatShare(replicas=config.server.replicas),
+            placement=config.placement,
         )
+        # The engines' own KV cache events keep placement's prefix index right.
+        self.kv_events = KvEventFeeds(config.placement.kv_events, self.fleet.placer.cache_changed)
         timeouts = config.engine
         self.client = EngineClient(
             connect_timeout_s=timeouts.connect_timeout_s,
@@ -163,6 +167,7 @@ class Router:
         await self.client.__aenter__()
         self.journal.start()
         self.metrics.start()
+        self.kv_events.start()
         self._readmitting = asyncio.create_task(self.readmission.run(), name="readmission")
         interval = self.config.engine.metrics_interval_s
         if interval > 0:
@@ -177,6 +182,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.releases.close()
+        await self.kv_events.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         for task in (self._readmitting, self._reading, self._controlling):
@@ -320,9 +326,10 @@ class Router:
     ) -> tuple[Reservation, DecodeStream]:
         """Attempts until one has produced a first token; retries only before any output."""
         failed_on: set[str] = set()
+        key = self.fleet.placer.key(client_request.body)
         while True:
             call.enter(Stage.QUEUED)
-            reservation = await self.fleet.reserve(frozenset(failed_on))
+            reservation = await self.fleet.reserve(frozenset(failed_on), key)
             try:
                 return reservation, await self._attempt(call, client_request, reservation)
             except NarwhalError as error:
@@ -356,6 +363,7 @@ class Router:
         call.attempts += 1
         call.producer = None if reservation.fallback else producer.id
         call.consumer = consumer.id
+        call.prefix_matched = reservation.prefix_matched
         backend_id = new_request_id()
         call.backend_request_ids.append(backend_id)
 
