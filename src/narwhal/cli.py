@@ -165,10 +165,13 @@ def _bench(argv: list[str]) -> int:
         print("narwhal bench: needs a source checkout (benchmarks/)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(benchmarks))
-    # `--workers N` compares one process with N workers (benchmarks/workers_bench.py).
+    # `--workers N` compares one process with N workers (benchmarks/workers_bench.py);
+    # `--placement` the placement policies on traces (benchmarks/placement_bench.py).
     harness = (
         "workers_bench" if any(a.split("=")[0] == "--workers" for a in argv) else "router_bench"
     )
+    if "--placement" in argv:
+        harness = "placement_bench"
     status: int = importlib.import_module(harness).main(argv)
     return status
 

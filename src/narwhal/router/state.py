@@ -52,6 +52,28 @@ def snapshot(router: Router) -> dict[str, Any]:
         "discovery": (
             router.discovery.summary() if router.discovery is not None else {"enabled": False}
         ),
+        "placement": _placement(router),
+    }
+
+
+def _placement(router: Router) -> dict[str, Any]:
+    """The policy, how many placements a cached prefix steered, and per engine the chunks
+    the index holds, its recent placements and its KV event feed (this process's)."""
+    placer = router.fleet.placer
+    feeds = router.kv_events.stats
+    recent = {phase: placer.recent(phase) for phase in ("prefill", "decode")}
+    return {
+        "policy": placer.policy.value,
+        "steered": dict(placer.steered),
+        "by_load": dict(placer.by_load),
+        "engines": {
+            engine.id: {
+                "indexed_chunks": placer.index.size(engine.id),
+                "recent": {phase: counts[engine.id] for phase, counts in recent.items()},
+                "kv_events": feeds[engine.id].as_json() if engine.id in feeds else None,
+            }
+            for engine in router.fleet.engines
+        },
     }
 
 

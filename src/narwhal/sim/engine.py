@@ -14,7 +14,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from narwhal.sim.kv import (
     HeldBlocks,
     PrefixCache,
     SideChannel,
+    block_digests,
 )
 from narwhal.sim.metrics import Counters, render_metrics
 from narwhal.sim.model import Generation
@@ -185,6 +186,13 @@ class SimEngine:
     def held_block_count(self) -> int:
         """KV blocks currently held for remote pulls."""
         return self._launch.holds.block_count()
+
+    def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
+        """How many of the prompt's leading tokens the prefix cache holds now (whole
+        blocks), without touching their recency."""
+        size = self.options.kv_block_size
+        digests = block_digests(tokens, size)[: len(tokens) // size]
+        return self._launch.prefix_cache.peek(digests) * size
 
     def running_count(self) -> int:
         return self._launch.scheduler.running

@@ -70,6 +70,15 @@ class PrefixCache:
             count += 1
         return count
 
+    def peek(self, digests: Sequence[bytes]) -> int:
+        """How many leading blocks are cached, leaving their recency as it is."""
+        count = 0
+        for digest in digests:
+            if digest not in self._digests:
+                break
+            count += 1
+        return count
+
     def add(self, digests: Sequence[bytes]) -> None:
         for digest in digests:
             self._digests[digest] = None

@@ -23,6 +23,10 @@ class Counters:
     generation_tokens: int = 0
     nixl_failed_transfers: int = 0
     nixl_expired_requests: int = 0
+    # The prefix cache as vLLM counts it (`vllm:prefix_cache_queries`, `…_hits`): every
+    # request's prompt tokens queried, and those its local cache held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def expired(self) -> None:
         self.nixl_expired_requests += 1
@@ -93,6 +97,18 @@ def render_metrics(
         "vllm:prompt_tokens_cached",
         "Number of cached prompt tokens (local + external).",
         [(labels, prompt_tokens - counters.local_compute)],
+    )
+    series(
+        "counter",
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        [(labels, counters.prefix_cache_queries)],
+    )
+    series(
+        "counter",
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        [(labels, counters.prefix_cache_hits)],
     )
     series(
         "counter",

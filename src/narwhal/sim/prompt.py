@@ -65,6 +65,8 @@ async def process_prompt(
                 raise ApiError(500, f"KV transfer failed: {exc}") from exc
     compute_tokens = max(1, len(tokens) - cached_tokens)
     counters.local_compute += compute_tokens
+    counters.prefix_cache_queries += len(tokens)
+    counters.prefix_cache_hits += min(local_tokens, len(tokens) - 1)
     counters.local_cache_hit += min(local_tokens, len(tokens) - compute_tokens)
     counters.external_kv_transfer += max(0, len(tokens) - compute_tokens - local_tokens)
     # The frontend's share (HTTP, tokenizing) comes first; the prompt then joins the
