@@ -78,6 +78,7 @@ class Figures:
     goodput_rps: float
     imbalance: float
     wall_s: float
+    errors: list[str]
 
     @property
     def hit_rate(self) -> float:
@@ -87,6 +88,7 @@ class Figures:
 @dataclass(slots=True)
 class _Result:
     ok: bool
+    error: str | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
     cached: int = 0
@@ -182,6 +184,7 @@ async def run_policy(trace: str, sessions: Sequence[Session], policy: str) -> Fi
         goodput_rps=len(good) / wall if wall else 0.0,
         imbalance=max(loads) / mean if mean else 0.0,
         wall_s=wall,
+        errors=[r.error for r in results if r.error is not None],
     )
 
 
@@ -240,12 +243,13 @@ async def _chat(
     last, tokens, cached = sent, 0, 0
     async with client.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
-            await response.read()
-            return _Result(False)
+            return _Result(False, f"{response.status}: {(await response.read())[:200]!r}")
         async for line in response.content:
             if not line.startswith(b"data: {"):
                 continue
             event = orjson.loads(line[6:])
+            if "error" in event:
+                return _Result(False, str(event["error"])[:200])
             if event.get("usage"):
                 details = event["usage"].get("prompt_tokens_details") or {}
                 cached = details.get("cached_tokens") or 0
@@ -254,9 +258,9 @@ async def _chat(
                 first = first if first is not None else last
                 tokens += 1
     if first is None:
-        return _Result(False)
+        return _Result(False, "no token")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return _Result(True, first - sent, tpot, cached)
+    return _Result(True, None, first - sent, tpot, cached)
 
 
 def table(figures: Sequence[Figures]) -> str:
@@ -313,6 +317,8 @@ async def run(traces: Sequence[str], seed: int, say: Any) -> list[Figures]:
         for policy in POLICIES:
             result = await run_policy(name, sessions, policy)
             say(f"  {policy}: {result.wall_s:.1f} s")
+            for error in sorted(set(result.errors)):
+                say(f"    failed: {error}")
             figures.append(result)
     return figures
 

@@ -103,7 +103,7 @@ def _text(rng: random.Random, chars: int) -> str:
 def multi_turn(
     seed: int = 1,
     users: int = 40,
-    turns: tuple[int, int] = (4, 7),
+    turns: tuple[int, int] = (5, 9),
     spread_s: float = 4.0,
 ) -> list[Session]:
     """Each user's conversation: a system prompt, then questions and the answers given."""

@@ -33,6 +33,9 @@ ROUTER_READS = frozenset(
         "vllm:prompt_tokens_by_source_total",
         "vllm:cache_config_info",
         "process_start_time_seconds",
+        # Read by the placement benchmark, as vLLM counts its prefix cache.
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
     }
 )
 PROMPT = "The sea is deep and the whales sing under grey skies"

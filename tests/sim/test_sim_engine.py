@@ -389,3 +389,24 @@ async def test_prefix_cache_skips_prefill_compute(sim: Sim) -> None:
     warm = loop.time() - started
     assert cold > 0.12
     assert warm < cold / 3
+
+
+async def test_prefix_cache_hits_are_counted_as_vllm_counts_them(sim: Sim) -> None:
+    engine = await sim.start(enable_prompt_tokens_details=True)
+    long_prompt = " ".join(f"word{i}" for i in range(100))
+    body = {"prompt": long_prompt, "max_tokens": 2}
+    cached = []
+    for _ in range(2):
+        status, answer = await sim.post(engine, "/v1/completions", body)
+        assert status == 200
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    text = (await sim.get(engine, "/metrics"))[1].decode()
+    queries = _metric(text, "vllm:prefix_cache_queries_total")
+    hits = _metric(text, "vllm:prefix_cache_hits_total")
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    # Both requests queried every prompt token; the second found its whole blocks cached.
+    assert queries == 2 * prompt_tokens
+    assert cached[0] == 0
+    assert cached[1] == prompt_tokens // 16 * 16
+    assert hits == cached[1]
+    assert engine.cached_prefix_tokens([1, 2, 3]) == 0
