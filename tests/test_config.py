@@ -31,6 +31,7 @@ from narwhal.config import (
 from narwhal.config_report import validate_command
 from narwhal.controller_config import ControllerConfig, SloConfig
 from narwhal.engine_spec import ContractValue, EngineContract, EngineSpec, Role
+from narwhal.placement_config import PlacementConfig
 from narwhal.tracing_config import TracingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +127,7 @@ def test_every_key_is_documented() -> None:
         TracingConfig,
         ControllerConfig,
         SloConfig,
+        PlacementConfig,
     ]
     keys = {f.name for cls in classes for f in dataclasses.fields(cls)} - {"extra"}
     assert {key for key in keys if f"`{key}`" not in doc} == set()
