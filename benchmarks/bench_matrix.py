@@ -98,6 +98,12 @@ FEATURES: tuple[Feature, ...] = (
         {"engine": {"release_abandoned": False}},
     ),
     Feature(
+        "prefix-placement",
+        "cache-aware placement: each prompt's chunk keys hashed, looked up and recorded",
+        True,
+        {"placement": {"policy": "p2c"}},
+    ),
+    Feature(
         "silence-watchdog",
         "silence between tokens ends a stream (engine.decode_read_timeout_s)",
         True,

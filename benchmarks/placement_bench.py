@@ -110,14 +110,14 @@ def install_oracle(placer: Placer, engines: Mapping[str, SimEngine]) -> None:
     placer.min_match = 1
 
 
-def router_config(urls: Sequence[str], policy: str) -> dict[str, Any]:
+def router_config(urls: Sequence[str], policy: str, placement: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "model": MODEL,
         "server": {"host": "127.0.0.1", "port": 0},
         "engine": {"kv_lease_s": 600.0, "decode_read_timeout_s": 0.0},
         "serving": {"request_timeout_s": 300.0, "queue_capacity": 100_000},
         "recovery": {"eject_after": 1_000_000},
-        "placement": {"policy": "prefix" if policy == "oracle" else policy},
+        "placement": {**placement, "policy": "prefix" if policy == "oracle" else policy},
         "engines": [
             {
                 "id": f"e{i}",
@@ -131,14 +131,23 @@ def router_config(urls: Sequence[str], policy: str) -> dict[str, Any]:
     }
 
 
-async def run_policy(trace: str, sessions: Sequence[Session], policy: str) -> Figures:
+async def run_policy(
+    trace: str,
+    sessions: Sequence[Session],
+    policy: str,
+    seed: int,
+    placement: Mapping[str, Any],
+) -> Figures:
     options = [
         profile_options("dev", **ENGINE, model=MODEL, name=f"engine-{i}", port=0)
         for i in range(PRODUCERS + CONSUMERS)
     ]
     async with SimFleet(options) as fleet:
         urls = [engine.url for engine in fleet]
-        server = RouterServer(parse_config(router_config(urls, policy), source="placement bench"))
+        raw = router_config(urls, policy, placement)
+        server = RouterServer(parse_config(raw, source="placement bench"))
+        # Every policy's load-based draws come from the same sequence.
+        server.router.fleet.placer.rng.seed(seed)
         if policy == "oracle":
             by_id = {f"e{i}": engine for i, engine in enumerate(fleet)}
             install_oracle(server.router.fleet.placer, by_id)
@@ -309,13 +318,19 @@ def _verdict(ok: bool, text: str) -> str:
     return f"{'PASS' if ok else 'MISS'}  {text}"
 
 
-async def run(traces: Sequence[str], seed: int, say: Any) -> list[Figures]:
+async def run(
+    traces: Sequence[str],
+    policies: Sequence[str],
+    seed: int,
+    placement: Mapping[str, Any],
+    say: Any,
+) -> list[Figures]:
     figures = []
     for name in traces:
         sessions = build(name, seed)
         say(f"{name}: {len(sessions)} sessions, {request_count(sessions)} requests")
-        for policy in POLICIES:
-            result = await run_policy(name, sessions, policy)
+        for policy in policies:
+            result = await run_policy(name, sessions, policy, seed, placement)
             say(f"  {policy}: {result.wall_s:.1f} s")
             for error in sorted(set(result.errors)):
                 say(f"    failed: {error}")
@@ -327,7 +342,15 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="narwhal bench --placement", description=__doc__)
     parser.add_argument("--placement", action="store_true", required=True)
     parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a [placement] key for every router, e.g. load_slack=0.25 (JSON value)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     traces = [t for t in args.traces.split(",") if t]
@@ -338,7 +361,11 @@ def main(argv: Sequence[str]) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    figures = runtime.run(run(traces, args.seed, say))
+    policies = [p for p in args.policies.split(",") if p]
+    if any(p not in POLICIES for p in policies):
+        parser.error(f"policies: {', '.join(POLICIES)}")
+    placement = {k: orjson.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    figures = runtime.run(run(traces, policies, args.seed, placement, say))
     print(table(figures))
     print(f"SLOs: TTFT <= {SLO_TTFT_S * 1000:.0f} ms, TPOT <= {SLO_TPOT_S * 1000:.0f} ms")
     for line in verdicts(figures):

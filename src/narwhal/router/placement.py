@@ -6,8 +6,8 @@
 | `session`| a consistent (rendezvous) hash of the request's `user`, else of its first     |
 |          |   chunk; load is not looked at (vllm-router's consistent hashing)             |
 | `prefix` | among the engines within the load bound, the one expected to hold the longest |
-|          |   prefix of the prompt (least loaded of equals); with no match of at least    |
-|          |   `min_chunks` chunks, power of two choices among the engines within it       |
+|          |   prefix of the prompt (least loaded of equals), else power of two choices    |
+|          |   among them; when no engine at all holds `min_chunks` chunks of it, `p2c`    |
 
 The load bound is bounded-load consistent hashing's: of the last `load_window`
 placements of the phase, an engine may have taken at most (1 + `load_slack`) times an
@@ -91,7 +91,8 @@ class Placer:
         self.config = config
         self.policy = config.policy
         self.index = PrefixIndex(config.index_chunks)
-        self._rng = rng
+        # Power of two choices draws from it (a benchmark seeds it, to compare policies).
+        self.rng = rng
         self._recent: dict[str, deque[str]] = {}
         # How much of a prompt an engine holds, and the least worth steering for; a
         # benchmark's oracle replaces both with an engine's exact cache.
@@ -126,22 +127,29 @@ class Placer:
             if session is None:
                 return self._by_load(phase, candidates), 0
             return rendezvous(candidates, session), 0
+        scored = [(self.match(c.id, key), c) for c in candidates]
+        if max(matched for matched, _ in scored) < self.min_match:
+            # Nothing worth steering for anywhere: exactly p2c.
+            return self._by_load(phase, candidates), 0
         recent = Counter(self._recent.get(phase, ()))
         total = sum(recent.values())
         slack = self.config.load_slack
         eligible = [
-            c for c in candidates if within_bound(recent[c.id], total, len(candidates), slack)
-        ] or list(candidates)
-        scored = [(self.match(c.id, key), c) for c in eligible]
-        best = max(matched for matched, _ in scored)
+            (matched, c)
+            for matched, c in scored
+            if within_bound(recent[c.id], total, len(candidates), slack)
+        ] or scored
+        best = max(matched for matched, _ in eligible)
         if best < self.min_match:
-            return self._by_load(phase, eligible), 0
+            # The engines holding the prefix are past the load bound: load decides among
+            # the others.
+            return self._by_load(phase, [c for _, c in eligible]), 0
         self.steered[phase] += 1
-        return min((c for matched, c in scored if matched == best), key=lambda e: e.load()), best
+        return min((c for matched, c in eligible if matched == best), key=lambda e: e.load()), best
 
     def _by_load(self, phase: str, candidates: Sequence[E]) -> E | None:
         self.by_load[phase] += 1
-        return p2c(candidates, self._rng)
+        return p2c(candidates, self.rng)
 
     def placed(self, phase: str, engine: str, key: PromptKey | None) -> None:
         """The request's phase went to `engine`: it counts against the engine's load bound,
