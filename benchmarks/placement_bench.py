@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import re
 import sys
 import time
@@ -38,6 +39,7 @@ from placement_traces import TRACES, Session, build, request_count
 from narwhal import runtime
 from narwhal.config import parse_config
 from narwhal.goodput.score import percentile
+from narwhal.placement_config import PlacementConfig
 from narwhal.router.app import RouterServer
 from narwhal.router.call import Call
 from narwhal.router.placement import Placer, PromptKey
@@ -272,6 +274,25 @@ async def _chat(
     return _Result(True, None, first - sent, tpot, cached)
 
 
+def chunking_cost(sessions: Sequence[Session], rounds: int = 5) -> str:
+    """What the router's prefix keys cost per request on this trace: CPU per `key()`."""
+    placer = Placer(PlacementConfig(), random.Random(0))
+    bodies = [
+        {"messages": [{"role": r, "content": c} for r, c in turn.messages]}
+        for session in sessions
+        for turn in session.turns
+    ]
+    chars = sum(len(str(body["messages"])) for body in bodies) / len(bodies)
+    started = time.process_time()
+    for _ in range(rounds):
+        for body in bodies:
+            placer.key(body)
+    per_request = (time.process_time() - started) / (rounds * len(bodies))
+    return (
+        f"  prefix keys: {per_request * 1e6:.0f} us CPU per request (prompts ~{chars:,.0f} chars)"
+    )
+
+
 def table(figures: Sequence[Figures]) -> str:
     head = (
         f"{'trace':<11}{'policy':<9}{'done':>9}{'prefill tok':>13}{'hit rate':>10}"
@@ -329,6 +350,7 @@ async def run(
     for name in traces:
         sessions = build(name, seed)
         say(f"{name}: {len(sessions)} sessions, {request_count(sessions)} requests")
+        say(chunking_cost(sessions))
         for policy in policies:
             result = await run_policy(name, sessions, policy, seed, placement)
             say(f"  {policy}: {result.wall_s:.1f} s")
