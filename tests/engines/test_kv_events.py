@@ -71,3 +71,14 @@ async def test_a_feed_follows_an_engines_publisher_and_counts_what_it_missed() -
         await feeds.stop()
         publisher.close(linger=0)
         context.term()
+
+
+def test_a_restarted_publisher_reads_as_a_cleared_cache() -> None:
+    seen: list[CacheChange] = []
+    feeds = KvEventFeeds({"e0": "tcp://127.0.0.1:1"}, lambda e, c: seen.append(c))
+    removed: dict[str, object] = {"type": "BlockRemoved", "block_hashes": [1, 2]}
+    feeds.receive("e0", _batch(7, removed))
+    feeds.receive("e0", _batch(0, removed))
+    assert seen == [CacheChange("removed", 2), CacheChange("cleared"), CacheChange("removed", 2)]
+    assert feeds.stats["e0"].restarts == 1
+    assert feeds.stats["e0"].missed == 0

@@ -17,8 +17,10 @@ e.g. `"endpoint": "tcp://*:5557"` (a wildcard binds), and the router subscribes 
 `tcp://ENGINE_HOST:5557` (`[placement.kv_events]`).
 
 `decode_batch` is pure; `KvEventFeeds` runs one subscriber per engine and hands each
-change to its listener. pyzmq and msgpack come with the `kv-events` extra and are imported
-only when some engine's events are configured.
+change to its listener. A sequence number that starts again means a new publisher, so an
+engine that restarted with an empty cache: that reads as a cleared cache. pyzmq and
+msgpack come with the `kv-events` extra and are imported only when some engine's events
+are configured.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class FeedStats:
     # Batches lost between two received (a gap in the sequence numbers).
     missed: int = 0
     malformed: int = 0
+    # Times the sequence started again (the engine restarted).
+    restarts: int = 0
     last_seq: int | None = field(default=None, repr=False)
 
     def as_json(self) -> dict[str, Any]:
@@ -112,6 +116,7 @@ class FeedStats:
             "removed_blocks": self.removed_blocks,
             "cleared": self.cleared,
             "missed_batches": self.missed,
+            "restarts": self.restarts,
             "malformed": self.malformed,
         }
 
@@ -177,6 +182,11 @@ class KvEventFeeds:
         seq = int.from_bytes(frames[1], "big", signed=True)
         if stats.last_seq is not None and seq > stats.last_seq + 1:
             stats.missed += seq - stats.last_seq - 1
+        elif stats.last_seq is not None and seq <= stats.last_seq:
+            # The numbering started again: a new publisher, so a restarted engine whose
+            # cache is empty.
+            stats.restarts += 1
+            self._listener(engine, CacheChange("cleared"))
         stats.last_seq = seq
         try:
             changes = decode_batch(frames[2])
