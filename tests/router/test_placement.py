@@ -141,3 +141,11 @@ def test_counts_per_phase_follow_the_window() -> None:
         placer.placed("decode", engine, None)
     assert placer.recent("decode") == Counter({"a": 1, "b": 1, "c": 1})
     assert placer.recent("prefill") == Counter()
+
+
+def test_a_lone_candidate_is_placed_on_with_the_prefix_it_holds() -> None:
+    placer = Placer(PlacementConfig(), random.Random(1))
+    fleet = engines(1)
+    assert place(placer, fleet, chat(LONG)) == ("e0", 0)
+    engine, matched = place(placer, fleet, chat(LONG))
+    assert engine == "e0" and matched == len(LONG) // 64

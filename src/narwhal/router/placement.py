@@ -120,8 +120,13 @@ class Placer:
     ) -> tuple[E | None, int]:
         """The engine for the phase among `candidates`, and the prefix it is expected to
         hold."""
-        if key is None or self.policy is Policy.P2C or len(candidates) <= 1:
+        if key is None or self.policy is Policy.P2C or not candidates:
             return self._by_load(phase, candidates), 0
+        if len(candidates) == 1:
+            # Nothing to choose; what the engine is expected to hold still is journaled.
+            (only,) = candidates
+            self.by_load[phase] += 1
+            return only, self.match(only.id, key) if self.policy is Policy.PREFIX else 0
         if self.policy is Policy.SESSION:
             session = key.session or (str(key.keys[0]) if key.keys else None)
             if session is None:
