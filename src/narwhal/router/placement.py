@@ -163,7 +163,7 @@ class Placer:
         if window is None:
             window = self._recent[phase] = deque(maxlen=self.config.load_window)
         window.append(engine)
-        if key is not None and key.keys:
+        if key is not None and key.keys and self.policy is Policy.PREFIX:
             self.index.record(engine, key.keys)
 
     def recent(self, phase: str) -> Counter[str]:
