@@ -56,6 +56,9 @@ async def small(real: RealStack) -> AsyncIterator[tuple[VllmEngine, int]]:
             json.dumps({**events, "endpoint": f"tcp://*:{events_port}"}),
         ),
         kv_lease_duration_s=KV_LEASE_S,
+        # A third engine starting beside two on a busy 2-core machine: it was seen to take
+        # three and a half minutes.
+        start_timeout_s=600.0,
     )
     async with VllmFleet(options, [("c0", "prefill")]) as fleet:
         yield fleet["c0"], events_port
