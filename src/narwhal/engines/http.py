@@ -83,6 +83,12 @@ class Connection(asyncio.Protocol):
         self._received = False
         self._error: HttpError | None = None
         self._lost = False
+        # While `read_bulk` waits: what wakes it, and whom each transport read is told.
+        self._marker = b""
+        self._bulk_limit = 0
+        self._tail = b""
+        self._marked = False
+        self._on_data: Callable[[], None] | None = None
 
     # The request ---------------------------------------------------------------------
 
@@ -122,6 +128,28 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    async def read_bulk(self, marker: bytes, limit: int, on_data: Callable[[], None]) -> bytes:
+        """As `read`, but waiting until the bytes held contain `marker` (a hint: the caller
+        checks what it gets), reach `limit`, or the body ends or fails, so that a body
+        arriving in many small reads wakes the caller once. `on_data` is told of each
+        transport read meanwhile (the caller's clock for silences)."""
+        body = self._body
+        self._marked = bool(body) and marker in b"".join(body)
+        self._marker, self._bulk_limit, self._on_data = marker, limit, on_data
+        self._tail = body[-1][-len(marker) :] if body else b""
+        try:
+            while not (
+                self._marked or self._complete or self._error is not None or self._buffered >= limit
+            ):
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._marker, self._tail, self._on_data = b"", b"", None
+        return await self.read()
+
     async def read_all(self, limit: int) -> bytes:
         """The whole body; raises `TooLarge` past `limit` bytes."""
         parts: list[bytes] = []
@@ -158,6 +186,8 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        if self._on_data is not None:
+            self._on_data()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -188,6 +218,15 @@ class Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+        marker = self._marker
+        if marker:
+            # Bulk reading: wake only for the marker (also when split between two pieces)
+            # or the limit; the end of the body and failures wake as usual.
+            if marker in body or marker in self._tail + body[: len(marker)]:
+                self._marked = True
+            elif self._buffered < self._bulk_limit:
+                self._tail = body[-len(marker) :]
+                return
         self._wake()
 
     def on_message_complete(self) -> None:
