@@ -149,14 +149,16 @@ class DecodeStream:
         first = _joined(self._first) if self._first else b""
         self._first = None
         self._buffered = False
-        chunk, failure = await self._gather()
-        if failure is None:
-            events = b"".join((first, self._decoder.held, chunk))
-            if events.endswith(_DONE_EVENT) and b"\r" not in events and b'"error"' not in events:
-                answer = one_pass(events[: 2 - len(_DONE_EVENT)])
-                if answer is not None:
-                    self.done = True
-                    return answer
+        held = self._decoder.held
+        # What came with the first token may be the whole stream; a failure of the read
+        # after [DONE] (the body ending, say) is no failure of the stream's.
+        chunk, failure = (b"", None) if _DONE_MARK in held else await self._gather()
+        events = b"".join((first, held, chunk))
+        if events.endswith(_DONE_EVENT) and b"\r" not in events and b'"error"' not in events:
+            answer = one_pass(events[: 2 - len(_DONE_EVENT)])
+            if answer is not None:
+                self.done = True
+                return answer
         parts = [first]
         while True:
             parts.append(self._decide_all(chunk))
