@@ -27,6 +27,9 @@ T = TypeVar("T")
 # How the usual stream ends, LF-framed; its `[DONE]` wakes a bulk read.
 _DONE_EVENT = b"\n\ndata: [DONE]\n\n"
 _DONE_MARK = b"[DONE]"
+# A bulk read wakes for either: the end of the stream, or an error object to act on at once
+# (an engine that sends one may then hold the connection open).
+_BULK_MARKS = (_DONE_MARK, b'"error"')
 
 
 class DecodeStream:
@@ -172,7 +175,7 @@ class DecodeStream:
         """One bulk read, or the failure that ended the stream (raised once what came
         before it has been decided)."""
         try:
-            chunk = await self._connection.read_bulk(_DONE_MARK, HIGH_WATER, self._arrived)
+            chunk = await self._connection.read_bulk(_BULK_MARKS, HIGH_WATER, self._arrived)
         except HttpError as exc:
             return b"", self._broken(exc)
         return chunk, None if chunk else self._broken(None)

@@ -84,7 +84,8 @@ class Connection(asyncio.Protocol):
         self._error: HttpError | None = None
         self._lost = False
         # While `read_bulk` waits: what wakes it, and whom each transport read is told.
-        self._marker = b""
+        self._markers: tuple[bytes, ...] = ()
+        self._span = 0  # the longest marker's length: how much of the last piece to keep
         self._bulk_limit = 0
         self._tail = b""
         self._marked = False
@@ -128,15 +129,18 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def read_bulk(self, marker: bytes, limit: int, on_data: Callable[[], None]) -> bytes:
-        """As `read`, but waiting until the bytes held contain `marker` (a hint: the caller
-        checks what it gets), reach `limit`, or the body ends or fails, so that a body
-        arriving in many small reads wakes the caller once. `on_data` is told of each
+    async def read_bulk(
+        self, markers: tuple[bytes, ...], limit: int, on_data: Callable[[], None]
+    ) -> bytes:
+        """As `read`, but waiting until the bytes held contain one of `markers` (a hint: the
+        caller checks what it gets), reach `limit`, or the body ends or fails, so that a
+        body arriving in many small reads wakes the caller once. `on_data` is told of each
         transport read meanwhile (the caller's clock for silences)."""
-        body = self._body
-        self._marked = bool(body) and marker in b"".join(body)
-        self._marker, self._bulk_limit, self._on_data = marker, limit, on_data
-        self._tail = body[-1][-len(marker) :] if body else b""
+        held = b"".join(self._body)
+        self._marked = any(marker in held for marker in markers)
+        self._markers, self._bulk_limit, self._on_data = markers, limit, on_data
+        self._span = max(map(len, markers))
+        self._tail = held[-self._span :]
         try:
             while not (
                 self._marked or self._complete or self._error is not None or self._buffered >= limit
@@ -147,7 +151,7 @@ class Connection(asyncio.Protocol):
                 finally:
                     self._waiter = None
         finally:
-            self._marker, self._tail, self._on_data = b"", b"", None
+            self._markers, self._tail, self._on_data = (), b"", None
         return await self.read()
 
     async def read_all(self, limit: int) -> bytes:
@@ -218,14 +222,15 @@ class Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        marker = self._marker
-        if marker:
-            # Bulk reading: wake only for the marker (also when split between two pieces)
-            # or the limit; the end of the body and failures wake as usual.
-            if marker in body or marker in self._tail + body[: len(marker)]:
+        if self._markers:
+            # Bulk reading: wake only for a marker (also one split between pieces) or the
+            # limit; the end of the body and failures wake as usual.
+            span = self._span
+            edge = self._tail + body[:span]
+            if any(marker in body or marker in edge for marker in self._markers):
                 self._marked = True
             elif self._buffered < self._bulk_limit:
-                self._tail = body[-len(marker) :]
+                self._tail = body[-span:] if len(body) >= span else edge[-span:]
                 return
         self._wake()
 
