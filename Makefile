@@ -41,7 +41,7 @@ terminal:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; \
 	} || echo "tmux could not be installed: the narwhal top terminal tests will be skipped"
 
-test: lint check-types unit real
+test: lint check-types unit real real-continuation
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -36,6 +37,9 @@ FAST = SimOptions(
     slowdown_per_seq=0.0,
 )
 CROSSED = (("p0", "prefill"), ("d0", "decode"))
+# How long the router may take to settle and to write its journal after the last request:
+# milliseconds on an idle machine, seconds on a busy one.
+SETTLE_WITHIN_S = 20.0
 
 
 @dataclass
@@ -63,7 +67,8 @@ class Stack:
         It is written off the loop, so lines appear a little after the request ends.
         """
         lines: list[dict[str, Any]] = []
-        for _ in range(200):
+        deadline = time.monotonic() + SETTLE_WITHIN_S
+        while time.monotonic() < deadline:
             if self.journal_path.exists():
                 # The writer may be mid-line: only lines it has ended are read.
                 complete = self.journal_path.read_bytes().split(b"\n")[:-1]
@@ -180,7 +185,8 @@ def arm(engine: SimEngine, **fault: Any) -> None:
 async def settled(stack: Stack) -> dict[str, Any]:
     """The router's state once nothing is in flight; asserts nothing leaked."""
     state: dict[str, Any] = {}
-    for _ in range(200):
+    deadline = time.monotonic() + SETTLE_WITHIN_S
+    while time.monotonic() < deadline:
         async with stack.http.get(stack.url + "/narwhal/state") as response:
             state = await response.json()
         busy = any(e.running_count() for e in stack.fleet.engines)

@@ -31,8 +31,8 @@ import aiohttp
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 # One engine takes about 35 s to answer /health on an idle 2-core machine, two started
-# together about 60 s; a busy CI machine can take several times that.
-START_TIMEOUT_S = 300.0
+# together about 60 s, three on a busy one 200 s; a busy CI machine can take longer still.
+START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 40
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import orjson
 from openai import AsyncOpenAI
 
 from kube_api import KubeApi, pod, set_ready
+from load_support import WAIT_S, Load, until
 from narwhal.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
 from workers_support import post_fresh, serve_workers
@@ -33,57 +33,6 @@ from workers_support import post_fresh, serve_workers
 SIM = replace(FAST, inter_token_s=0.01)
 NAMES = ("p0", "p1", "d0", "d1", "d2")
 CLIENTS = 8
-# Generous: a shared 2-core machine may be slow at times; nothing here is timed.
-WAIT_S = 90.0
-
-
-@dataclass
-class Load:
-    """Steady streaming clients; each request's outcome, failures with their reason."""
-
-    client: AsyncOpenAI
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def sent(self) -> int:
-        return self.ok + len(self.failures)
-
-    async def run(self, index: int) -> None:
-        while not self.stop.is_set():
-            try:
-                stream = await self.client.completions.create(
-                    model=MODEL,
-                    prompt=f"Client {index} asks about the tides, request {self.sent}",
-                    max_tokens=12,
-                    stream=True,
-                )
-                if not [chunk async for chunk in stream if chunk.choices]:
-                    raise AssertionError("a stream with no tokens")
-                self.ok += 1
-            except Exception as error:  # every failure is recorded, none ends the load
-                self.failures.append(f"{type(error).__name__}: {error}")
-
-    async def more(self, count: int) -> None:
-        """Wait until `count` more requests have succeeded (the load keeps running)."""
-        target = self.ok + count
-        await until(lambda: self.ok >= target, f"{count} more requests")
-
-
-async def until(check: Callable[[], Awaitable[Any] | Any], what: str) -> None:
-    """Poll `check` until it returns something other than None or False."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while True:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result not in (None, False):
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def fleet_file(path: Path, journal: Path, kubeconfig: Path) -> None:

@@ -13,7 +13,7 @@ import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
+from load_support import WAIT_S, Load, until
 from narwhal.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
 
@@ -28,62 +29,6 @@ ADMIN_KEY = "sk-admin-3333333333"
 CLIENTS = 8
 # Long enough that drains meet requests still running, short enough for many requests.
 SIM = replace(FAST, inter_token_s=0.01)
-# Generous: a shared 2-core machine may be slow at times; nothing here is timed.
-WAIT_S = 90.0
-
-
-@dataclass
-class Load:
-    """Steady streaming clients; each request's outcome, failures with their reason."""
-
-    client: AsyncOpenAI
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def sent(self) -> int:
-        return self.ok + len(self.failures)
-
-    async def run(self, index: int) -> None:
-        while not self.stop.is_set():
-            try:
-                stream = await self.client.completions.create(
-                    model=MODEL,
-                    prompt=f"Client {index} asks about the tides, request {self.sent}",
-                    max_tokens=12,
-                    stream=True,
-                )
-                tokens = 0
-                async for chunk in stream:
-                    tokens += len(chunk.choices)
-                if tokens == 0:
-                    raise AssertionError("a stream with no tokens")
-                self.ok += 1
-            except Exception as error:  # every failure is recorded, none ends the load
-                self.failures.append(f"{type(error).__name__}: {error}")
-
-    async def more(self, count: int) -> None:
-        """Wait until `count` more requests have succeeded (the load keeps running)."""
-        target = self.ok + count
-        await until(lambda: self.ok >= target, f"{count} more requests")
-
-
-async def until(
-    check: Callable[[], Awaitable[Any] | Any], what: str, timeout_s: float = WAIT_S
-) -> Any:
-    """Poll `check` until it returns something other than None or False."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result not in (None, False):
-            return result
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def fleet_file(path: Path, journal: Path, engines: dict[str, tuple[str, str]]) -> None:

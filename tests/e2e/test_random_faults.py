@@ -63,6 +63,10 @@ async def test_random_faults_and_disconnects_leave_nothing_behind(
         recovery={"readmit_interval_s": 0.2},
         sim={"inter_token_s": 0.002},
     ) as stack:
+        # A client that gives up within milliseconds may do so before its request reaches
+        # the router: what arrived is what must be recorded.
+        arrived: list[str] = []
+        stack.server.router.arrival_hooks.append(lambda call: arrived.append(call.request_id))
         semaphore = asyncio.Semaphore(CONCURRENCY)
 
         async def run(index: int) -> str:
@@ -75,10 +79,11 @@ async def test_random_faults_and_disconnects_leave_nothing_behind(
         for engine in stack.fleet.engines:
             engine.clear_faults()
         await settled(stack)
-        lines = await stack.journal(REQUESTS, kind="request")
+        lines = await stack.journal(len(arrived), kind="request")
 
-    assert len(lines) == REQUESTS
-    assert len({line["request_id"] for line in lines}) == REQUESTS
+    assert REQUESTS - len(arrived) <= seen.count("gave up")
+    assert len(lines) == len(arrived) > REQUESTS // 2
+    assert sorted(line["request_id"] for line in lines) == sorted(arrived)
     allowed = {200, 400, 499, 500, 502, 503, 504}
     assert {line["status"] for line in lines} <= allowed
     for line in lines:

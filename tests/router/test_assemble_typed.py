@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.sse import block_payloads
 from narwhal.router.assemble import Assembler, answer_body
-from narwhal.router.assemble_typed import typed_answer
+from narwhal.router.assemble_typed import gathered_answer, typed_answer
 
 RECORDED = Path(__file__).parent.parent / "data" / "vllm"
 
@@ -163,6 +163,39 @@ def test_the_typed_pass_gives_the_general_folds_bytes_or_declines(
     else:
         assert typed is None
     assert answer_body(endpoint, block, usage_chunk, usage)[0] == expected
+
+
+@settings(max_examples=200)
+@given(
+    st.sampled_from([Endpoint.COMPLETIONS, Endpoint.CHAT]).flatmap(
+        lambda e: st.tuples(
+            st.just(e), completion_streams() if e is Endpoint.COMPLETIONS else chat_streams()
+        )
+    ),
+    st.booleans(),
+)
+def test_a_gathered_stream_gives_the_answer_of_its_events_decided_one_by_one(
+    case: tuple[Endpoint, list[dict[str, Any]]], with_usage: bool
+) -> None:
+    endpoint, chunks = case
+    # Decided one by one, the usage chunk is held back and its usage is the stream's.
+    usage_chunk = {**chunks[0], "choices": [], "usage": USAGE} if with_usage else None
+    usage = USAGE if with_usage else None
+    expected = answer_body(endpoint, block_of(chunks), usage_chunk, usage)
+    gathered = gathered_answer(
+        endpoint, block_of([*chunks, usage_chunk] if usage_chunk else chunks)
+    )
+    if usual(chunks):
+        assert gathered == expected
+    else:
+        assert gathered is None
+
+
+def test_a_gathered_stream_with_an_event_without_choices_before_its_last_is_declined() -> None:
+    token = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
+    metadata = {"id": "c", "object": "text_completion", "choices": []}
+    assert gathered_answer(Endpoint.COMPLETIONS, block_of([token, metadata])) is not None
+    assert gathered_answer(Endpoint.COMPLETIONS, block_of([token, metadata, token])) is None
 
 
 @pytest.mark.parametrize(

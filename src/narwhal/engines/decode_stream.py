@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from narwhal.engines.gaps import TokenGaps
-from narwhal.engines.http import Connection, HttpError
+from narwhal.engines.http import HIGH_WATER, Connection, HttpError
 from narwhal.engines.leg_errors import bad_stream, error_object
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.sse import (
@@ -22,6 +22,14 @@ from narwhal.protocol.sse import (
     classify,
     classify_after_first_output,
 )
+
+T = TypeVar("T")
+# How the usual stream ends, LF-framed; its `[DONE]` wakes a bulk read.
+_DONE_EVENT = b"\n\ndata: [DONE]\n\n"
+_DONE_MARK = b"[DONE]"
+# A bulk read wakes for either: the end of the stream, or an error object to act on at once
+# (an engine that sends one may then hold the connection open).
+_BULK_MARKS = (_DONE_MARK, b'"error"')
 
 
 class DecodeStream:
@@ -129,6 +137,65 @@ class DecodeStream:
             raise StopAsyncIteration
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def rest(self, one_pass: Callable[[bytes], T | None]) -> T | bytes:
+        """The whole stream at once, for an answer assembled from it: read in bulk.
+
+        The body past the first token is gathered without waking per read, until `[DONE]`
+        shows, 1 MiB is held, or the body ends or fails. When what came is the usual stream
+        (LF-framed events ending with `[DONE]`, no error object), `one_pass` gets the events
+        before `[DONE]` undecided: it must parse every one of them and return None unless
+        each is a JSON object it fully understands, with any event without choices last.
+        What it returns is the answer. Otherwise the events are decided as iteration does
+        them, batch by batch, and the forwarded bytes returned, the same failures raised
+        (a failure found with what came is raised before the one that ended the read).
+        """
+        first = _joined(self._first) if self._first else b""
+        self._first = None
+        self._buffered = False
+        held = self._decoder.held
+        # What came with the first token may be the whole stream; a failure of the read
+        # after [DONE] (the body ending, say) is no failure of the stream's.
+        chunk, failure = (b"", None) if _DONE_MARK in held else await self._gather()
+        events = b"".join((first, held, chunk))
+        if events.endswith(_DONE_EVENT) and b"\r" not in events and b'"error"' not in events:
+            answer = one_pass(events[: 2 - len(_DONE_EVENT)])
+            if answer is not None:
+                self.done = True
+                return answer
+        parts = [first]
+        while True:
+            parts.append(self._decide_all(chunk))
+            if self.done:
+                return b"".join(parts)
+            if failure is not None:
+                raise failure
+            chunk, failure = await self._gather()
+
+    async def _gather(self) -> tuple[bytes, NarwhalError | None]:
+        """One bulk read, or the failure that ended the stream (raised once what came
+        before it has been decided)."""
+        try:
+            chunk = await self._connection.read_bulk(_BULK_MARKS, HIGH_WATER, self._arrived)
+        except HttpError as exc:
+            return b"", self._broken(exc)
+        return chunk, None if chunk else self._broken(None)
+
+    def _arrived(self) -> None:
+        """A transport read during a bulk read: the watchdog's and the gap count's clock."""
+        now = self._loop.time()
+        self._gaps.add(now - self._last_read)
+        self._last_read = now
+        if self._watchdog is not None:
+            self._watchdog.last = now
+
+    def _decide_all(self, chunk: bytes) -> bytes:
+        """The forwarded bytes of `chunk` and what the decoder holds, every event decided."""
+        parts = [self._take(chunk)]
+        while self._buffered and not self.done:
+            self._buffered = False
+            parts.append(self._take(b""))
+        return b"".join(parts)
+
     def _take(self, chunk: bytes) -> bytes:
         """The bytes to forward out of `chunk` and what the decoder holds, without waiting.
 
@@ -162,29 +229,31 @@ class DecodeStream:
         try:
             chunk = await self._connection.read()
         except HttpError as exc:
-            self._raise_if_silent()
-            raise engine_error(
-                Cause.CLOSED_EARLY,
-                f"decode stream from engine {self.engine} broke: {exc}",
-                self.engine,
-            ) from None
+            raise self._broken(exc) from None
         if not chunk:
-            self._raise_if_silent()
-            raise engine_error(
-                Cause.CLOSED_EARLY,
-                f"decode stream from engine {self.engine} closed before [DONE]",
-                self.engine,
-            )
+            raise self._broken(None)
         return chunk
 
-    def _raise_if_silent(self) -> None:
+    def _broken(self, exc: HttpError | None) -> NarwhalError:
+        """The failure of a stream that broke (`exc`) or ended before [DONE]."""
         if self._watchdog is not None and self._watchdog.fired:
-            raise engine_error(
+            return engine_error(
                 Cause.SILENCE,
                 f"engine went silent between tokens: engine {self.engine} sent nothing for "
                 f"{self._watchdog.timeout:g} s",
                 self.engine,
             )
+        if exc is not None:
+            return engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {self.engine} broke: {exc}",
+                self.engine,
+            )
+        return engine_error(
+            Cause.CLOSED_EARLY,
+            f"decode stream from engine {self.engine} closed before [DONE]",
+            self.engine,
+        )
 
     def _decide(self, events: list[SseEvent]) -> list[SseEvent]:
         forward: list[SseEvent] = []

@@ -83,6 +83,13 @@ class Connection(asyncio.Protocol):
         self._received = False
         self._error: HttpError | None = None
         self._lost = False
+        # While `read_bulk` waits: what wakes it, and whom each transport read is told.
+        self._markers: tuple[bytes, ...] = ()
+        self._span = 0  # the longest marker's length: how much of the last piece to keep
+        self._bulk_limit = 0
+        self._tail = b""
+        self._marked = False
+        self._on_data: Callable[[], None] | None = None
 
     # The request ---------------------------------------------------------------------
 
@@ -122,6 +129,31 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    async def read_bulk(
+        self, markers: tuple[bytes, ...], limit: int, on_data: Callable[[], None]
+    ) -> bytes:
+        """As `read`, but waiting until the bytes held contain one of `markers` (a hint: the
+        caller checks what it gets), reach `limit`, or the body ends or fails, so that a
+        body arriving in many small reads wakes the caller once. `on_data` is told of each
+        transport read meanwhile (the caller's clock for silences)."""
+        held = b"".join(self._body)
+        self._marked = any(marker in held for marker in markers)
+        self._markers, self._bulk_limit, self._on_data = markers, limit, on_data
+        self._span = max(map(len, markers))
+        self._tail = held[-self._span :]
+        try:
+            while not (
+                self._marked or self._complete or self._error is not None or self._buffered >= limit
+            ):
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._markers, self._tail, self._on_data = (), b"", None
+        return await self.read()
+
     async def read_all(self, limit: int) -> bytes:
         """The whole body; raises `TooLarge` past `limit` bytes."""
         parts: list[bytes] = []
@@ -158,6 +190,8 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received = True
+        if self._on_data is not None:
+            self._on_data()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -188,6 +222,16 @@ class Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+        if self._markers:
+            # Bulk reading: wake only for a marker (also one split between pieces) or the
+            # limit; the end of the body and failures wake as usual.
+            span = self._span
+            edge = self._tail + body[:span]
+            if any(marker in body or marker in edge for marker in self._markers):
+                self._marked = True
+            elif self._buffered < self._bulk_limit:
+                self._tail = body[-span:] if len(body) >= span else edge[-span:]
+                return
         self._wake()
 
     def on_message_complete(self) -> None:

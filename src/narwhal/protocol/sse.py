@@ -51,6 +51,11 @@ class SseDecoder:
         """Bytes held for an event not yet terminated."""
         return len(self._buf)
 
+    @property
+    def held(self) -> bytes:
+        """The bytes held for events not yet taken."""
+        return self._buf
+
     def feed(self, chunk: bytes, limit: int = 0) -> list[SseEvent]:
         """Complete events, in order; with `limit`, at most that many, the rest kept.
 

@@ -96,6 +96,13 @@ def typed_answer(
             answer, sent = _completion(completion), [chunk.usage for chunk in completion]
     if answer is None:
         return None
+    return _finished(answer, usage, sent)
+
+
+def _finished(
+    answer: dict[str, Any], usage: dict[str, Any] | None, sent: list[dict[str, Any] | None]
+) -> tuple[bytes, dict[str, Any] | None] | None:
+    """The answer's JSON with its usage: the stream's, else the last one a chunk carried."""
     if usage is None:
         usage = _last(sent)
     answer["usage"] = None if usage is None else {**usage, **_missing(usage)}
@@ -104,6 +111,30 @@ def typed_answer(
     except TypeError:
         # A value orjson cannot write (an integer past 64 bits); the general path decides.
         return None
+
+
+def gathered_answer(
+    endpoint: Endpoint, events: bytes
+) -> tuple[bytes, dict[str, Any] | None] | None:
+    """The answer from a whole stream's events, undecided (`DecodeStream.rest`), or None.
+
+    This one parse is also their check: it succeeds only when every event is a chunk of
+    the usual shape, and only the last may be without choices (the usage chunk, whose
+    usage is the answer's). Anything else gets None and the stream decides its events.
+    """
+    if endpoint is Endpoint.CHAT:
+        chat = _chunks(events, None, _CHAT_CHUNKS, _ChatChunk)
+        if chat is None or not all(chunk.choices for chunk in chat[:-1]):
+            return None
+        answer, sent = _chat(chat), [chunk.usage for chunk in chat]
+        last_usage = None if chat[-1].choices else chat[-1].usage
+    else:
+        completion = _chunks(events, None, _COMPLETION_CHUNKS, _CompletionChunk)
+        if completion is None or not all(chunk.choices for chunk in completion[:-1]):
+            return None
+        answer, sent = _completion(completion), [chunk.usage for chunk in completion]
+        last_usage = None if completion[-1].choices else completion[-1].usage
+    return _finished(answer, last_usage, sent)
 
 
 def _chunks(

@@ -14,6 +14,7 @@ from narwhal.engines.leg_errors import bad_stream
 from narwhal.protocol.errors import NarwhalError, client_error
 from narwhal.protocol.sse import SseError
 from narwhal.router.assemble import answer_body
+from narwhal.router.assemble_typed import gathered_answer
 from narwhal.router.call import Call
 
 SSE_HEADERS = {
@@ -67,13 +68,21 @@ async def relay(request: web.Request, call: Call, stream: DecodeStream) -> web.S
 
 
 async def collect(stream: DecodeStream, call: Call) -> web.Response:
-    """The whole stream, then one answer shaped as the engine's own non-streaming one."""
-    block = b"".join([data async for data in stream])
-    try:
-        body, usage = answer_body(call.endpoint, block, stream.usage_chunk, stream.usage)
-    except SseError as exc:
-        # Relayed events only had their framing checked; here each must parse.
-        raise bad_stream(exc, stream.engine) from None
+    """The whole stream, then one answer shaped as the engine's own non-streaming one.
+
+    The stream is gathered in bulk; the usual one is checked and assembled in one parse
+    (`gathered_answer`), any other decided event by event and folded (`answer_body`).
+    """
+    endpoint = call.endpoint
+    gathered = await stream.rest(lambda events: gathered_answer(endpoint, events))
+    if isinstance(gathered, tuple):
+        body, usage = gathered
+    else:
+        try:
+            body, usage = answer_body(endpoint, gathered, stream.usage_chunk, stream.usage)
+        except SseError as exc:
+            # Relayed events only had their framing checked; here each must parse.
+            raise bad_stream(exc, stream.engine) from None
     call.output_tokens = completion_tokens(usage)
     call.status = 200
     return web.Response(
