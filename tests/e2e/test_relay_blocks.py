@@ -12,30 +12,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from fake_engine import prefill_answer
 from narwhal.config import parse_config
 from narwhal.protocol.sse import SseDecoder
 from narwhal.router.app import RouterServer, bound_port
 from support import MODEL
 
-DESCRIPTOR = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "fake-producer",
-    "remote_block_ids": [1, 2],
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-}
-PREFILL = orjson.dumps(
-    {
-        "id": "cmpl-p",
-        "object": "text_completion",
-        "model": MODEL,
-        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        "kv_transfer_params": DESCRIPTOR,
-    }
-)
+PREFILL = prefill_answer()
 TOKENS = ("The", " sea", " is", " deep")
 
 

@@ -141,13 +141,14 @@ class DecodeStream:
         """The whole stream at once, for an answer assembled from it: read in bulk.
 
         The body past the first token is gathered without waking per read, until `[DONE]`
-        shows, 1 MiB is held, or the body ends or fails. When what came is the usual stream
-        (LF-framed events ending with `[DONE]`, no error object), `one_pass` gets the events
-        before `[DONE]` undecided: it must parse every one of them and return None unless
-        each is a JSON object it fully understands, with any event without choices last.
-        What it returns is the answer. Otherwise the events are decided as iteration does
-        them, batch by batch, and the forwarded bytes returned, the same failures raised
-        (a failure found with what came is raised before the one that ended the read).
+        or an error object shows, 1 MiB is held, or the body ends or fails. When what came
+        is the usual stream (LF-framed events ending with `[DONE]`, no error object),
+        `one_pass` gets the events before `[DONE]` undecided: it must parse every one of
+        them and return None unless each is a JSON object it fully understands, with any
+        event without choices last. What it returns is the answer. Otherwise the events are
+        decided as iteration does them, batch by batch, and the forwarded bytes returned,
+        the same failures raised (a failure found with what came is raised before the one
+        that ended the read).
         """
         first = _joined(self._first) if self._first else b""
         self._first = None
