@@ -34,6 +34,7 @@ from bench_targets import (
     start_narwhal,
     wait_healthy,
 )
+from core_cap import CoreCap
 from router_bench import _trials, options_from_args, parser, sim_settings
 
 
@@ -44,6 +45,10 @@ class WorkersReport:
     # Finished requests by worker, from the router's own /metrics, and each worker's CPU.
     requests_by_worker: dict[str, float]
     cpu_s_by_worker: dict[int, float]
+    # With `--core-cap`: each router process's share of one core, and the seconds each
+    # target's processes spent held back by it (the cap was what bounded them).
+    core_cap: float | None = None
+    throttled_s: dict[str, float] | None = None
 
 
 async def start_workers(
@@ -80,7 +85,9 @@ def cpu_by_worker(supervisor: int) -> dict[int, float]:
     return {pid: cpu_seconds(pid) for pid in _descendants(supervisor)[1:]}
 
 
-async def run(options: BenchOptions, workers: int, workdir: Path) -> WorkersReport:
+async def run(
+    options: BenchOptions, workers: int, workdir: Path, core_cap: float | None = None
+) -> WorkersReport:
     raise_open_files_limit()
     settings = sim_settings(options, options.concurrency, options.max_tokens)
     say = print if not options.quiet else (lambda *_: None)
@@ -92,10 +99,28 @@ async def run(options: BenchOptions, workers: int, workdir: Path) -> WorkersRepo
         name = f"narwhal-w{workers}"
         url = await add_router(bench, name, start_workers(producer, consumer, workdir, workers))
         say(f"engines {producer} {consumer}; {name} at {url} (pid {bench.pids[name]})")
-        await start_loads(bench, options.load_processes)
-        report = await _trials(bench, options, say)
+        caps = {"narwhal": CoreCap(core_cap), name: CoreCap(core_cap)} if core_cap else {}
+        try:
+            for target, cap in caps.items():
+                # Every process of the target, each in a group of its own: N workers get
+                # N times one process's CPU (the supervisor, mostly idle, its own too).
+                for pid in _descendants(bench.pids[target]):
+                    cap.cap(pid)
+            if caps:
+                say(f"each router process capped at {core_cap:g} of a core")
+            await start_loads(bench, options.load_processes)
+            report = await _trials(bench, options, say)
+            throttled = {target: cap.throttled_s() for target, cap in caps.items()}
+        finally:
+            for cap in caps.values():
+                cap.close()
         return WorkersReport(
-            report, workers, await requests_by_worker(url), cpu_by_worker(bench.pids[name])
+            report,
+            workers,
+            await requests_by_worker(url),
+            cpu_by_worker(bench.pids[name]),
+            core_cap,
+            throttled or None,
         )
 
 
@@ -117,6 +142,12 @@ def format_workers(report: WorkersReport) -> str:
         f"  requests by worker (all batches, warm-up included): {split}",
         f"  CPU by worker process (since start): {cpu}",
     ]
+    if report.core_cap is not None and report.throttled_s is not None:
+        held = ", ".join(f"{name} {s:.1f} s" for name, s in report.throttled_s.items())
+        lines.append(
+            f"  each router process capped at {report.core_cap:g} of a core;"
+            f" time held back by the cap: {held}"
+        )
     return "\n".join(lines)
 
 
@@ -131,12 +162,18 @@ def _ratio(a: float | None, b: float | None) -> str:
 def main(argv: Sequence[str]) -> int:
     p = parser()
     p.add_argument("--workers", type=int, required=True, help="workers of the second target")
+    p.add_argument(
+        "--core-cap",
+        type=float,
+        help="cap each router process at this fraction of one core (a cgroup quota), so that "
+        "the router, not the engines or the load, is the bottleneck",
+    )
     args = p.parse_args(argv)
     options = replace(options_from_args(args), vllm_router=None, fastapi_proxy=None)
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)
-        report = uvloop.run(run(options, args.workers, workdir))
+        report = uvloop.run(run(options, args.workers, workdir, args.core_cap))
     print()
     print(format_report(report.bench))
     print()
@@ -147,6 +184,8 @@ def main(argv: Sequence[str]) -> int:
             "workers": report.workers,
             "requests_by_worker": report.requests_by_worker,
             "cpu_s_by_worker": list(report.cpu_s_by_worker.values()),
+            "core_cap": report.core_cap,
+            "throttled_s": report.throttled_s,
         }
         args.json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     return 1 if any(s.errors for s in report.bench.summaries) else 0
