@@ -26,7 +26,15 @@ import pytest_asyncio
 from narwhal.config import parse_config
 from narwhal.router.app import RouterServer
 from narwhal.vllm_fleet import VllmEngine, VllmFleet, VllmOptions, free_ports
-from real_support import KV_LEASE_S, MODEL, TINY_MODEL, VLLM_PYTHON, RealStack, counter
+from real_support import (
+    FIGURES,
+    KV_LEASE_S,
+    MODEL,
+    TINY_MODEL,
+    VLLM_PYTHON,
+    RealStack,
+    counter,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -118,13 +126,14 @@ async def test_kv_events_keep_the_index_right_after_evictions(
     try:
         async with aiohttp.ClientSession() as http:
 
-            async def send(text: str) -> tuple[int, float]:
-                """The prefix the router expected on c0 (chunks), and c0's cache hits."""
+            async def send_once(text: str) -> tuple[int, float, int]:
+                """The prefix the router expected on c0 (chunks), c0's cache hits, and the
+                attempts the request took."""
                 before = await counter(engine, "vllm:prefix_cache_hits_total")
-                outcome: list[int] = []
+                outcome: list[tuple[int, int]] = []
 
                 def note(call: Any, now: float) -> None:
-                    outcome.append(call.prefix_matched)
+                    outcome.append((call.prefix_matched, call.attempts))
 
                 server.router.call_hooks.append(note)
                 try:
@@ -134,7 +143,24 @@ async def test_kv_events_keep_the_index_right_after_evictions(
                         await response.read()
                 finally:
                     server.router.call_hooks.remove(note)
-                return outcome[0], await counter(engine, "vllm:prefix_cache_hits_total") - before
+                hits = await counter(engine, "vllm:prefix_cache_hits_total") - before
+                (matched, attempts), *_ = outcome
+                return matched, hits, attempts
+
+            def retried(attempts: int) -> bool:
+                """A request the router retried (a lease-long stall of a CPU engine, a refused
+                connection on a loaded machine) cannot be judged: its first attempt's prefill
+                cached the prompt on c0, and its second was placed expecting that. Counted in
+                the session's figures."""
+                if attempts > 1:
+                    FIGURES["placement requests asked again"] = str(
+                        int(FIGURES.get("placement requests asked again", "0")) + 1
+                    )
+                return attempts > 1
+
+            async def send(text: str) -> tuple[int, float]:
+                matched, hits, _ = await send_once(text)
+                return matched, hits
 
             async def removed() -> int:
                 async with http.get(server.url + "/narwhal/state") as response:
@@ -145,16 +171,26 @@ async def test_kv_events_keep_the_index_right_after_evictions(
             # The subscriber joins a moment after it connects: events of the first request
             # may be lost, which only ever leaves the index believing more is cached.
             await asyncio.sleep(2.0)
-            assert await send(prompt) == (0, 0)
+            for _ in range(3):
+                matched, hits, attempts = await send_once(prompt)
+                if not retried(attempts):
+                    break
+                prompt = f"{uuid.uuid4().hex} " + _words(rng, chars)
+            assert (matched, hits) == (0, 0)
             expected, hits = await send(prompt)
             assert expected >= PROMPT_TOKENS * chars_per_token // 64 - 2 and hits > 0
-            for _ in range(FILLERS):
-                await send(f"{uuid.uuid4().hex} " + _words(rng, chars))
-            async with asyncio.timeout(60):
-                while await removed() < 2 * (PROMPT_TOKENS // BLOCK_SIZE):  # noqa: ASYNC110
-                    await asyncio.sleep(0.2)
-            # Evicted from the engine, forgotten by the router: neither has it now.
-            assert await send(prompt) == (0, 0)
+            for round_ in range(1, 3):
+                for _ in range(FILLERS):
+                    await send(f"{uuid.uuid4().hex} " + _words(rng, chars))
+                async with asyncio.timeout(60):
+                    evicted = 2 * round_ * (PROMPT_TOKENS // BLOCK_SIZE)
+                    while await removed() < evicted:  # noqa: ASYNC110
+                        await asyncio.sleep(0.2)
+                # Evicted from the engine, forgotten by the router: neither has it now.
+                matched, hits, attempts = await send_once(prompt)
+                if not retried(attempts):
+                    break
+            assert (matched, hits) == (0, 0)
             expected, hits = await send(prompt)
             assert expected > 0 and hits > 0
             index = server.router.fleet.placer.index
