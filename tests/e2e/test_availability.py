@@ -54,10 +54,11 @@ async def fail_run(
         assert 500 <= status <= 504
 
 
-async def good_request(stack: Stack) -> dict[str, Any]:
+async def good_request(stack: Stack, before: int = RUN) -> dict[str, Any]:
+    """A request that must succeed, and its journal line: `before` requests came first."""
     status, body = await stack.post("/v1/completions", COMPLETION)
     assert status == 200, body
-    return (await stack.journal(RUN + 1, kind="request"))[-1]
+    return (await stack.journal(before + 1, kind="request"))[-1]
 
 
 @pytest.mark.parametrize("kind", sorted(PREFILL_FAULTS))
@@ -123,7 +124,7 @@ async def test_a_restarted_last_producer_is_readmitted_at_the_urgent_interval(
         await stack.engine("p0").restart()
         p0 = await engine_state(stack, "p0", "admitted", timeout_s=20.0)
         assert p0["state"] == "admitted"
-        line = await good_request(stack)
+        line = await good_request(stack, before=3)
         assert line["handoff"] == "crossed" and line["producer"] == "p0"
         events = [e["event"] for e in await stack.journal(1, kind="engine")]
         assert "readmitted" in events
