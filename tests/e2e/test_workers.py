@@ -67,6 +67,16 @@ async def test_two_workers_serve_one_port_and_answer_as_one_router(tmp_path: Pat
                 "0": "admitted",
                 "1": "admitted",
             }
+            # Each worker placed with its own prefix index; the state shows both, and all.
+            placed = state["placement"]
+            for view in placed["engines"].values():
+                assert set(view["indexed_by_worker"]) == {"0", "1"}, view
+                assert view["indexed_chunks"] == sum(view["indexed_by_worker"].values())
+            decided = {
+                phase: placed["steered"].get(phase, 0) + placed["by_load"].get(phase, 0)
+                for phase in ("prefill", "decode")
+            }
+            assert decided == {"prefill": 60, "decode": 60}, placed
 
             # An admin change lands on every worker, whichever one took the request.
             async with (

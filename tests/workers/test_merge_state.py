@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from narwhal.workers.merge_state import merge_states
+from narwhal.workers.merge_state import merge_placement, merge_states
 
 
 def engine(state: str = "admitted", in_use: int = 0, **extra: Any) -> dict[str, Any]:
@@ -66,6 +66,26 @@ def snapshot(in_flight: int, engines: list[dict[str, Any]], p90: float | None) -
         },
         "engines": engines,
         "controller": {"enabled": False},
+        "placement": placement({e["id"]: 0 for e in engines}),
+    }
+
+
+def placement(
+    indexed: dict[str, int], steered: int = 0, feed: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A worker's placement view, as `router.state` shows it."""
+    return {
+        "policy": "prefix",
+        "steered": {"prefill": steered, "decode": 0},
+        "by_load": {"prefill": 1, "decode": 1},
+        "engines": {
+            engine_id: {
+                "indexed_chunks": chunks,
+                "recent": {"prefill": 0, "decode": 2},
+                "kv_events": feed,
+            }
+            for engine_id, chunks in indexed.items()
+        },
     }
 
 
@@ -107,3 +127,33 @@ def test_an_engine_only_some_workers_know_is_listed_once() -> None:
     )
     assert [e["id"] for e in merged["engines"]] == ["d0", "d1"]
     assert merged["engines"][1]["worker_states"] == {"1": "admitted"}
+
+
+def test_placement_adds_up_and_shows_each_workers_index() -> None:
+    feed = {"endpoint": "tcp://d0:5557", "batches": 3, "stored_blocks": 4, "removed_blocks": 1}
+    # The same engine's events, of which worker 1 has read fewer yet.
+    behind = {**feed, "batches": 2, "stored_blocks": 3}
+    workers = {
+        0: placement({"d0": 30}, steered=2, feed=feed),
+        1: placement({"d0": 12, "d1": 5}, steered=3, feed=behind),
+    }
+    merged = merge_placement(workers)
+    assert merged["policy"] == "prefix"
+    assert merged["steered"] == {"prefill": 5, "decode": 0}
+    assert merged["by_load"] == {"prefill": 2, "decode": 2}
+    d0, d1 = merged["engines"]["d0"], merged["engines"]["d1"]
+    assert d0["indexed_chunks"] == 42 and d0["indexed_by_worker"] == {"0": 30, "1": 12}
+    assert d0["recent"] == {"prefill": 0, "decode": 4}
+    # Each worker reads the same events: the freshest feed, not a double count.
+    assert d0["kv_events"] == feed
+    assert d1["indexed_chunks"] == 5 and d1["indexed_by_worker"] == {"1": 5}
+    assert d1["kv_events"] == behind
+    # The workers' own views are left as they were.
+    assert "indexed_by_worker" not in workers[0]["engines"]["d0"]
+    assert workers[0]["steered"] == {"prefill": 2, "decode": 0}
+
+
+def test_the_merged_state_carries_the_merged_placement() -> None:
+    merged = merge_states({0: snapshot(1, [engine()], None), 1: snapshot(1, [engine()], None)})
+    assert merged["placement"]["engines"]["d0"]["indexed_by_worker"] == {"0": 0, "1": 0}
+    assert merged["placement"]["engines"]["d0"]["recent"]["decode"] == 4

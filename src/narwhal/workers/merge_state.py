@@ -16,12 +16,19 @@ and shows where their judgments differ:
 | `others` (requests not this worker's)   | each worker's, by worker                       |
 | the engine's own report, prompt tokens  | the freshest worker's (the same engine counts) |
 | recent requests                         | counts summed; percentiles: the worst worker's |
+| placement: steered, by load, recent     | sum (each worker places for itself)            |
+|   placements                            |                                                |
+| placement: an engine's KV event feed    | the freshest worker's (each worker subscribes  |
+|                                         |   to the same events)                          |
+| placement: each engine's indexed chunks | sum, and each worker's (`indexed_by_worker`):  |
+|                                         |   every worker keeps a prefix index of its own |
 
 Pure: the workers' snapshots in, one snapshot out.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +51,32 @@ def merge_states(snapshots: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "retry_budget": _sum_fields([part["retry_budget"] for part in parts]),
         "recent": merge_recent([part["recent"] for part in parts]),
         "engines": _merge_engines({w: snapshots[w]["engines"] for w in sorted(snapshots)}),
+        "placement": merge_placement({w: snapshots[w]["placement"] for w in sorted(snapshots)}),
     }
+
+
+def merge_placement(by_worker: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The workers' placement views (`by_worker`): their counts summed, and each engine's
+    prefix index shown both summed and by worker, as each worker indexes what it placed."""
+    merged = copy.deepcopy(_sum_fields([by_worker[worker] for worker in sorted(by_worker)]))
+    for engine_id, entry in merged["engines"].items():
+        views = {
+            str(worker): view["engines"][engine_id]
+            for worker, view in sorted(by_worker.items())
+            if engine_id in view["engines"]
+        }
+        entry["indexed_by_worker"] = {w: view["indexed_chunks"] for w, view in views.items()}
+        feeds: list[Mapping[str, Any]] = [
+            view["kv_events"] for view in views.values() if view["kv_events"] is not None
+        ]
+        freshest = max(feeds, key=_batches) if feeds else None
+        entry["kv_events"] = None if freshest is None else {**freshest}
+    return merged
+
+
+def _batches(feed: Mapping[str, Any]) -> int:
+    batches: int = feed.get("batches", 0)
+    return batches
 
 
 def _sum(parts: Sequence[Mapping[str, Any]], key: str) -> Any:
