@@ -167,8 +167,9 @@ async def _cut(
 
 # The causes with which a continuation's own legs were seen to fail on the CPU fleet after
 # a kill (docs/engine-contract.md, "Token ids and continuation"): a prefill or first token
-# that waited past its timeout, a handoff that expired while it waited.
-STALLED = frozenset({"prefill_timeout", "first_token_timeout", "handoff_expired"})
+# that waited past its timeout, a handoff that expired while it waited, a connection to the
+# other consumer not made within the connect timeout while the kill held the machine.
+STALLED = frozenset({"prefill_timeout", "first_token_timeout", "handoff_expired", "connect"})
 # Cuts per test: one the fleet's stall spoiled is tried again, as the handoff test asks
 # again after a retry.
 TRIES = 3
