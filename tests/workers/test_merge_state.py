@@ -148,9 +148,13 @@ def test_placement_adds_up_and_shows_each_workers_index() -> None:
     assert d0["kv_events"] == feed
     assert d1["indexed_chunks"] == 5 and d1["indexed_by_worker"] == {"1": 5}
     assert d1["kv_events"] == behind
-    # The workers' own views are left as they were.
+    # The workers' own views are left as they were, also when one worker answers alone.
     assert "indexed_by_worker" not in workers[0]["engines"]["d0"]
     assert workers[0]["steered"] == {"prefill": 2, "decode": 0}
+    alone = merge_placement({0: workers[0]})
+    assert alone["engines"]["d0"]["indexed_by_worker"] == {"0": 30}
+    assert "indexed_by_worker" not in workers[0]["engines"]["d0"]
+    assert alone["engines"]["d0"]["kv_events"] is not feed
 
 
 def test_the_merged_state_carries_the_merged_placement() -> None:
