@@ -13,6 +13,7 @@ from support import (
     Stack,
     StackFactory,
     arm,
+    router_state,
     settled,
     sse_payloads,
     terminal_error,
@@ -118,6 +119,27 @@ async def test_the_stream_has_one_id_one_finish_and_one_done(make_stack: StackFa
             metrics = await response.text()
         assert 'narwhal_continued_requests_total{outcome="ok"} 1.0' in metrics
         assert "narwhal_continuations_total 1.0" in metrics
+
+
+async def test_a_continuation_is_placed_where_the_prompt_is_cached(
+    make_stack: StackFactory,
+) -> None:
+    roles = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    # A prompt of several index chunks, so that prefix placement can steer by it.
+    prompt = " ".join(f"tide{i}" for i in range(60))
+    body = {**GREEDY_COMPLETION, "prompt": prompt, "stream": True}
+    async with make_stack(roles, engine=ENGINE, continuation=ON) as stack:
+        arm(stack.engine("d0"), phase="decode", times=1, close_after=5)
+        status, _ = await stack.post("/v1/completions", body)
+        assert status == 200
+        (entry,) = await stack.journal(expect=1, kind="request")
+        state = await router_state(stack)
+    assert entry["continuations"] == 1, entry
+    # The replay (the prompt and the answer so far) went to the producer expected to hold
+    # the prompt, the one that prefilled it: steered there, not placed by load.
+    assert entry["producer"] == "p0"
+    assert entry["prefix_matched"] >= len(prompt) // 64
+    assert state["placement"]["steered"]["prefill"] == 1
 
 
 async def test_ids_the_client_asked_for_are_kept_and_continue(make_stack: StackFactory) -> None:

@@ -187,6 +187,9 @@ class Rescue:
         """A fresh prefill of P + G, a fresh handoff and a decode on another consumer."""
         router, call, progress = self.router, self.call, self.progress
         started = time.perf_counter()
+        # Placed by the client's own prompt: the replay begins with it, so a producer that
+        # holds it (most likely the one that prefilled it) recomputes only the answer so far.
+        key = router.fleet.placer.key(self.client_request.body)
         while True:
             why = refusal(self.client_request, progress, self.settings.max_tracked_tokens)
             if why is not None:
@@ -206,7 +209,7 @@ class Rescue:
             )
             call.enter(Stage.QUEUED)
             try:
-                reservation = await router.fleet.reserve(frozenset(avoid))
+                reservation = await router.fleet.reserve(frozenset(avoid), key)
             except NarwhalError as unplaced:
                 why = f"no consumer was placed: {unplaced.message}"
                 raise self._refused(error, why, FLEET) from None
