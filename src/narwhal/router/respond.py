@@ -27,6 +27,9 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     try:
+        if request.content.is_eof():
+            # The usual case: the body came with the headers, and no timer is needed.
+            return await request.read()
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
