@@ -20,6 +20,7 @@ from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.admin import add_admin_routes
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
+from narwhal.router.reply import AiohttpReply
 from narwhal.router.seat_share import SeatShare
 from narwhal.secrets import Secrets, bearer_allowed
 
@@ -91,10 +92,14 @@ def build_app(
     created = int(time.time())
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await router.handle(request, Endpoint.COMPLETIONS)
+        reply = AiohttpReply(request)
+        await router.handle(reply, Endpoint.COMPLETIONS)
+        return reply.response
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await router.handle(request, Endpoint.CHAT)
+        reply = AiohttpReply(request)
+        await router.handle(reply, Endpoint.CHAT)
+        return reply.response
 
     async def models(request: web.Request) -> web.StreamResponse:
         return web.json_response(

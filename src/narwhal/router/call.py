@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.router.abandoned import Abandonment, journal_field
@@ -63,7 +61,6 @@ class Call:
     status: int = 0
     error: str | None = None
     cause: str | None = None
-    committed: web.StreamResponse | None = None
     stage: Stage = Stage.ADMISSION
     retry_denied: bool = False
     # Some attempt was placed on an engine that was not admitted (panic placement).

@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from narwhal.config import Config
 from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
@@ -48,8 +46,9 @@ from narwhal.router.phase_latency import PhaseLatency
 from narwhal.router.readmission import Readmission
 from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
+from narwhal.router.reply import Reply
 from narwhal.router.rescue import Rescue
-from narwhal.router.respond import answer_error, collect, read_body, relay
+from narwhal.router.respond import answer_error, collect, relay
 from narwhal.router.seat_share import SeatShare
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
@@ -206,21 +205,20 @@ class Router:
 
     # The request path --------------------------------------------------------------
 
-    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def handle(self, reply: Reply, endpoint: Endpoint) -> None:
         """Serve one client request and record its one outcome, on every path."""
         call = Call(
             request_id=new_id(),
-            client_request_id=request.headers.get("X-Request-Id"),
+            client_request_id=reply.header("X-Request-Id"),
             endpoint=endpoint,
             arrival=time.perf_counter(),
             deadline=asyncio.get_running_loop().time() + self.config.serving.request_timeout_s,
         )
-        headers = request.headers
-        traceparent = headers.get("traceparent")
+        traceparent = reply.header("traceparent")
         if self.tracing is not None:
-            call.trace = self.tracing.begin(call, traceparent, headers.get("tracestate"))
+            call.trace = self.tracing.begin(call, traceparent, reply.header("tracestate"))
         elif traceparent is not None:
-            call.trace_lines = passthrough(traceparent, headers.get("tracestate"))
+            call.trace_lines = passthrough(traceparent, reply.header("tracestate"))
         self.in_flight += 1
         for arrived in self.arrival_hooks:
             arrived(call)
@@ -232,7 +230,7 @@ class Router:
                 if self.draining:
                     raise shutting_down()
                 async with asyncio.timeout_at(call.deadline):
-                    return await self._serve(request, call)
+                    await self._serve(reply, call)
             except TimeoutError:
                 raise NarwhalError(
                     504,
@@ -243,10 +241,9 @@ class Router:
                 ) from None
             except ConnectionResetError:
                 call.status, call.error = CLIENT_CLOSED, "client closed the connection"
-                return call.committed or web.Response(status=CLIENT_CLOSED)
         except NarwhalError as error:
             call.fail(error)
-            return await answer_error(request, call, error)
+            await answer_error(reply, call, error)
         except asyncio.CancelledError:
             if not self._shut_out(task):
                 call.status, call.error = CLIENT_CLOSED, "client closed the connection"
@@ -254,7 +251,7 @@ class Router:
             # The router is stopping and this request outlived the grace period.
             ended = shut_down()
             call.fail(ended)
-            return await answer_error(request, call, ended)
+            await answer_error(reply, call, ended)
         finally:
             self.in_flight -= 1
             self._tasks.discard(task)
@@ -288,28 +285,27 @@ class Router:
         task.uncancel()
         return True
 
-    async def _serve(self, request: web.Request, call: Call) -> web.StreamResponse:
+    async def _serve(self, reply: Reply, call: Call) -> None:
         client_request = parse_client_request(
-            call.endpoint,
-            await read_body(request, self.config.server.client_timeout_s),
-            self.config.model,
+            call.endpoint, await reply.body(self.config.server.client_timeout_s), self.config.model
         )
         call.stream = client_request.stream
         progress = tracker(self.config.continuation, client_request)
         call.tracks_ids = progress is not None
         reservation, stream = await self._open(call, client_request)
         if progress is not None:
-            rescue = Rescue(self, request, call, client_request, progress)
-            return await rescue.serve(reservation, stream)
+            rescue = Rescue(self, reply, call, client_request, progress)
+            await rescue.serve(reservation, stream)
+            return
         try:
             async with stream:
                 call.enter(Stage.RELAY)
                 for hook in self.first_token_hooks:
                     hook(call, call.stage_at)
                 if client_request.stream:
-                    response = await relay(request, call, stream)
+                    await relay(reply, call, stream)
                 else:
-                    response = await collect(stream, call)
+                    await collect(reply, call, stream)
         except NarwhalError as error:
             self._blame(error, reservation)
             if error.is_engine_fault and error.engine == reservation.consumer.id:
@@ -319,7 +315,6 @@ class Router:
             reservation.release()
         self.breaker.success(reservation.consumer.id)
         self.budget.on_success()
-        return response
 
     async def _open(
         self, call: Call, client_request: ClientRequest

@@ -11,7 +11,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
@@ -34,7 +33,8 @@ from narwhal.router.continuation import (
 )
 from narwhal.router.fleet import Reservation
 from narwhal.router.progress import Progress
-from narwhal.router.respond import DONE_EVENT, SSE_HEADERS, completion_tokens
+from narwhal.router.reply import Reply
+from narwhal.router.respond import DONE_EVENT, completion_tokens, stream_headers
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -55,19 +55,18 @@ class Rescue:
     def __init__(
         self,
         router: Router,
-        request: web.Request,
+        reply: Reply,
         call: Call,
         client_request: ClientRequest,
         progress: Progress,
     ) -> None:
         self.router = router
-        self.request = request
+        self.reply = reply
         self.call = call
         self.client_request = client_request
         self.progress = progress
         self.settings = router.config.continuation
-        self.report = request.headers.get(REPORT_HEADER, "").lower() == "report"
-        self.response: web.StreamResponse | None = None
+        self.report = (reply.header(REPORT_HEADER) or "").lower() == "report"
         self.assembler = None if client_request.stream else Assembler(call.endpoint)
         self.head: Head | None = None
         # Generated ids the current replay's prompt already holds (0 before any).
@@ -78,7 +77,7 @@ class Rescue:
         # text was held): the replay generates them again, and the client gets them once.
         self.overhang: list[int] = []
 
-    async def serve(self, reservation: Reservation, stream: DecodeStream) -> web.StreamResponse:
+    async def serve(self, reservation: Reservation, stream: DecodeStream) -> None:
         failed_consumers: set[str] = set()
         avoid: set[str] = set()
         rescued = False
@@ -117,15 +116,11 @@ class Rescue:
 
     # The relays ----------------------------------------------------------------------
 
-    async def _commit(self) -> web.StreamResponse:
-        response = self.response
-        if response is None:
-            response = web.StreamResponse(
-                headers={**SSE_HEADERS, "X-Request-Id": self.call.request_id}
-            )
-            await response.prepare(self.request)
-            self.call.committed = self.response = response
-        return response
+    async def _commit(self) -> Reply:
+        reply = self.reply
+        if not reply.committed:
+            await reply.open_stream(stream_headers(self.call))
+        return reply
 
     async def _relay_first(self, stream: DecodeStream) -> None:
         """The original decode: engine bytes forwarded, ids recorded (and spliced out)."""
@@ -234,8 +229,8 @@ class Rescue:
                 reservation.release()
                 raise
             call.interruption_s += time.perf_counter() - started
-            if self.response is not None and self.report:
-                await self.response.write(
+            if self.reply.committed and self.report:
+                await self.reply.write(
                     b": narwhal continued the answer after %d tokens (continuation %d)\n\n"
                     % (self.base, call.continuations)
                 )
@@ -253,7 +248,7 @@ class Rescue:
 
     # The end -------------------------------------------------------------------------
 
-    async def _end(self, stream: DecodeStream | None) -> web.StreamResponse:
+    async def _end(self, stream: DecodeStream | None) -> None:
         call, progress = self.call, self.progress
         usage = self.usage
         if usage is None or stream is None:
@@ -267,19 +262,14 @@ class Rescue:
             headers = {"X-Request-Id": call.request_id}
             if self.report:
                 headers[COUNT_HEADER] = str(call.continuations)
-            return web.Response(
-                body=orjson.dumps(self.assembler.result()),
-                content_type="application/json",
-                headers=headers,
-            )
+            await self.reply.answer(200, orjson.dumps(self.assembler.result()), headers)
+            return
         response = await self._commit()
         tail = DONE_EVENT
         rescued = call.continuations > 0 or stream is None
         if rescued and self.client_request.include_usage:
             tail = _sse(usage_chunk(self._head(), usage, self.fingerprint)) + DONE_EVENT
-        await response.write(tail)
-        await response.write_eof()
-        return response
+        await response.end(tail)
 
 
 def _payloads(block: bytes, engine: str) -> list[dict[str, Any]]:
