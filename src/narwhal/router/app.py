@@ -18,6 +18,7 @@ from narwhal.config import Config
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.admin import add_admin_routes
+from narwhal.router.front import Front
 from narwhal.router.page import add_page_routes
 from narwhal.router.pipeline import Router
 from narwhal.router.reply import AiohttpReply
@@ -186,6 +187,8 @@ class RouterServer:
         self._peer_path = peer_path
         self._middlewares = tuple(middlewares)
         self._runner: web.AppRunner | None = None
+        self._front: Front | None = None
+        self._listening: asyncio.AbstractServer | None = None
 
     @property
     def url(self) -> str:
@@ -201,18 +204,31 @@ class RouterServer:
             keepalive_timeout=self.router.config.server.client_timeout_s,
         )
         await self._runner.setup()
+        aiohttp = self._runner.server
+        assert aiohttp is not None
+        # Client connections meet the fast lane first; it hands aiohttp the rest.
+        self._front = Front(self.router, aiohttp, self.secrets.client_keys)
+        loop = asyncio.get_running_loop()
         if self._listener is not None:
-            await web.SockSite(self._runner, self._listener, backlog=4096).start()
+            self._listening = await loop.create_server(
+                self._front, sock=self._listener, backlog=4096
+            )
             self.port = self._listener.getsockname()[1]
         else:
-            site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
-            await site.start()
+            self._listening = await loop.create_server(
+                self._front, self.host, self.port, backlog=4096, reuse_address=True
+            )
             if self.port == 0:
-                self.port = bound_port(site)
+                self.port = bound_port(self._listening)
         if self._peer_path is not None:
             await web.UnixSite(self._runner, self._peer_path).start()
 
     async def stop(self) -> None:
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
+        if self._front is not None:
+            self._front.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -223,9 +239,10 @@ class RouterServer:
         await self.stop()
 
 
-def bound_port(site: web.TCPSite) -> int:
+def bound_port(listening: web.TCPSite | asyncio.AbstractServer) -> int:
+    server = listening._server if isinstance(listening, web.TCPSite) else listening
     # asyncio's and uvloop's servers both expose `sockets`.
-    sockets = getattr(site._server, "sockets", None)
+    sockets = getattr(server, "sockets", None)
     if not sockets:
         raise RuntimeError("the router's listening socket is not open")
     port: int = sockets[0].getsockname()[1]
