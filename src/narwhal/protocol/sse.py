@@ -132,17 +132,15 @@ def _plain_end(block: bytes) -> int:
     """
     if not block.endswith(b"\n\n"):
         return 0
-    inner = block[6:-2]
-    array = inner.replace(_SEPARATOR, b",")
+    events = block[6:-2].split(_SEPARATOR)
     try:
-        chunks = _CHUNKS.decode(b"[" + array + b"]")
+        chunks = _CHUNKS.decode(b",".join(events).join((b"[", b"]")))
         if not block.isascii():
             block.decode()
     except (msgspec.DecodeError, UnicodeDecodeError):
         return 0
-    # Each separator replaced shrinks the text by 7 bytes: a value count that differs
-    # means an event held more than one JSON value.
-    if len(chunks) != (len(inner) - len(array)) // (len(_SEPARATOR) - 1) + 1:
+    # A value count that differs means an event held more than one JSON value.
+    if len(chunks) != len(events):
         return 0
     for index, chunk in enumerate(chunks):
         if not chunk.choices or chunk.error:

@@ -101,7 +101,8 @@ class FrontConnection(asyncio.Protocol):
         self.front = front
         self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
-        self._buffer = bytearray()
+        # Bytes of requests not yet started (the head at hand, and any pipelined after it).
+        self._buffer = b""
         self._reply: FrontReply | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -128,7 +129,7 @@ class FrontConnection(asyncio.Protocol):
             data = reply.feed(data)
             if not data:
                 return
-        self._buffer += data
+        self._buffer = self._buffer + data if self._buffer else data
         if self._task is None:
             self._next()
         elif len(self._buffer) > HIGH_WATER and not self._reading_paused:
@@ -164,7 +165,7 @@ class FrontConnection(asyncio.Protocol):
             if len(buffer) > MAX_HEAD:
                 self._hand_over()
             return
-        head_bytes = bytes(buffer[: end + 4])
+        head_bytes = buffer[: end + 4]
         lines = head_bytes.count(b"\r\n")
         if head_bytes.count(b"\n") != lines or head_bytes.count(b"\r") != lines:
             # Bare CR or LF: where the head ends is then aiohttp's parser's to say.
@@ -182,10 +183,8 @@ class FrontConnection(asyncio.Protocol):
             self._hand_over()
             return
         self._stop_timer()
-        del buffer[: end + 4]
         reply = FrontReply(self, head.headers, length, parser.should_keep_alive())
-        rest = reply.feed(bytes(buffer))
-        self._buffer = bytearray(rest)
+        self._buffer = reply.feed(buffer[end + 4 :])
         self._reply = reply
         self._task = self._loop.create_task(self._serve(reply, endpoint))
 
@@ -257,7 +256,7 @@ class FrontConnection(asyncio.Protocol):
         handler = self.front.aiohttp()
         transport.set_protocol(handler)
         handler.connection_made(transport)
-        data, self._buffer = bytes(self._buffer), bytearray()
+        data, self._buffer = self._buffer, b""
         if data:
             handler.data_received(data)
 

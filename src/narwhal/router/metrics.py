@@ -66,6 +66,10 @@ class RouterMetrics:
             ["route", "cause"],
             registry=registry,
         )
+        # Each request counts into a labelled series: looked up once, then kept (the
+        # statuses and handoff kinds are few).
+        self._request_series: dict[tuple[str, int], Counter] = {}
+        self._handoff_series: dict[str, Counter] = {}
 
         # Observed on the event loop, several per request: read by a collector when scraped.
         self.histograms: list[LoopHistogram] = []
@@ -166,7 +170,11 @@ class RouterMetrics:
     def observe(self, call: Call, now: float) -> None:
         """Record one finished request."""
         route = call.endpoint.value
-        self.requests.labels(route, call.outcome, str(call.status)).inc()
+        series = self._request_series.get((route, call.status))
+        if series is None:
+            series = self.requests.labels(route, call.outcome, str(call.status))
+            self._request_series[(route, call.status)] = series
+        series.inc()
         if call.status != 200 and call.cause is not None:
             self.request_errors.labels(route, call.cause).inc()
         self.duration.observe(now - call.arrival)
@@ -188,7 +196,10 @@ class RouterMetrics:
         if call.output_tokens:
             self.output_tokens.inc(call.output_tokens)
         for kind in call.handoffs:
-            self.handoffs.labels(kind).inc()
+            handoffs = self._handoff_series.get(kind)
+            if handoffs is None:
+                handoffs = self._handoff_series[kind] = self.handoffs.labels(kind)
+            handoffs.inc()
         if call.continuations:
             self.continuations.inc(call.continuations)
             self.continued.labels(call.outcome).inc()
