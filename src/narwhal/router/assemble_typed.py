@@ -9,6 +9,8 @@ tool calls, members the router does not know) gets None here and is folded by `A
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import islice
 from typing import Any, TypeVar
 
 import msgspec
@@ -67,6 +69,7 @@ class _ChatChunk(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _Chunk = TypeVar("_Chunk", _CompletionChunk, _ChatChunk)
+_AnyChunk = _CompletionChunk | _ChatChunk
 _COMPLETION_CHUNKS = msgspec.json.Decoder(list[_CompletionChunk])
 _CHAT_CHUNKS = msgspec.json.Decoder(list[_ChatChunk])
 _SEPARATOR = b"\n\ndata: "
@@ -84,27 +87,19 @@ def typed_answer(
     `block` is the stream's forwarded events; `usage_chunk` the usage chunk held back from
     them (folded last); `usage` the stream's usage when it had a usage chunk.
     """
-    answer: dict[str, Any] | None = None
-    sent: list[dict[str, Any] | None] = []
     if endpoint is Endpoint.CHAT:
         chat = _chunks(block, usage_chunk, _CHAT_CHUNKS, _ChatChunk)
-        if chat is not None:
-            answer, sent = _chat(chat), [chunk.usage for chunk in chat]
-    else:
-        completion = _chunks(block, usage_chunk, _COMPLETION_CHUNKS, _CompletionChunk)
-        if completion is not None:
-            answer, sent = _completion(completion), [chunk.usage for chunk in completion]
-    if answer is None:
-        return None
-    return _finished(answer, usage, sent)
+        return None if chat is None else _finished(_chat(chat), usage, chat)
+    completion = _chunks(block, usage_chunk, _COMPLETION_CHUNKS, _CompletionChunk)
+    return None if completion is None else _finished(_completion(completion), usage, completion)
 
 
 def _finished(
-    answer: dict[str, Any], usage: dict[str, Any] | None, sent: list[dict[str, Any] | None]
+    answer: dict[str, Any], usage: dict[str, Any] | None, chunks: Sequence[_AnyChunk]
 ) -> tuple[bytes, dict[str, Any] | None] | None:
     """The answer's JSON with its usage: the stream's, else the last one a chunk carried."""
     if usage is None:
-        usage = _last(sent)
+        usage = _latest(chunks, "usage")
     answer["usage"] = None if usage is None else {**usage, **_missing(usage)}
     try:
         return orjson.dumps(answer), usage
@@ -124,17 +119,14 @@ def gathered_answer(
     """
     if endpoint is Endpoint.CHAT:
         chat = _chunks(events, None, _CHAT_CHUNKS, _ChatChunk)
-        if chat is None or not all(chunk.choices for chunk in chat[:-1]):
+        if chat is None or not _choices_before_last(chat):
             return None
-        answer, sent = _chat(chat), [chunk.usage for chunk in chat]
-        last_usage = None if chat[-1].choices else chat[-1].usage
-    else:
-        completion = _chunks(events, None, _COMPLETION_CHUNKS, _CompletionChunk)
-        if completion is None or not all(chunk.choices for chunk in completion[:-1]):
-            return None
-        answer, sent = _completion(completion), [chunk.usage for chunk in completion]
-        last_usage = None if completion[-1].choices else completion[-1].usage
-    return _finished(answer, last_usage, sent)
+        return _finished(_chat(chat), None if chat[-1].choices else chat[-1].usage, chat)
+    completion = _chunks(events, None, _COMPLETION_CHUNKS, _CompletionChunk)
+    if completion is None or not _choices_before_last(completion):
+        return None
+    last_usage = None if completion[-1].choices else completion[-1].usage
+    return _finished(_completion(completion), last_usage, completion)
 
 
 def _chunks(
@@ -147,45 +139,41 @@ def _chunks(
     held-back usage chunk; None when any of them is not of the usual shape."""
     if not (block.startswith(b"data: {") and block.endswith(b"}\n\n")) or b"\r" in block:
         return None
-    inner = block[6:-2]
-    array = inner.replace(_SEPARATOR, b",")
+    events = block[6:-2].split(_SEPARATOR)
     try:
-        chunks = decoder.decode(b"[" + array + b"]")
+        chunks = decoder.decode(b",".join(events).join((b"[", b"]")))
         if usage_chunk is not None:
             chunks.append(msgspec.convert(usage_chunk, kind))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    # Each separator replaced shrinks the text by 7 bytes: a value count that differs
-    # means an event held something other than one JSON object.
-    if len(chunks) != (len(inner) - len(array)) // (len(_SEPARATOR) - 1) + 1 + (
-        usage_chunk is not None
-    ):
+    # A value count that differs means an event held something other than one JSON object.
+    if len(chunks) != len(events) + (usage_chunk is not None):
         return None
     return chunks
 
 
 def _completion(chunks: list[_CompletionChunk]) -> dict[str, Any]:
     choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
-    index = _last([choice.index for choice in choices])
+    index = _latest(choices, "index")
     choice = {
         "index": 0 if index is None else index,
         "text": "".join([choice.text for choice in choices if choice.text is not None]),
         "logprobs": None,
-        "finish_reason": _last([choice.finish_reason for choice in choices]),
-        "stop_reason": _last([choice.stop_reason for choice in choices]),
+        "finish_reason": _latest(choices, "finish_reason"),
+        "stop_reason": _latest(choices, "stop_reason"),
         "token_ids": None,
         "prompt_logprobs": None,
         "prompt_token_ids": None,
         "routed_experts": None,
     }
     return {
-        "id": _last([chunk.id for chunk in chunks]),
+        "id": _latest(chunks, "id"),
         "object": "text_completion",
-        "created": _last([chunk.created for chunk in chunks]),
-        "model": _last([chunk.model for chunk in chunks]),
+        "created": _latest(chunks, "created"),
+        "model": _latest(chunks, "model"),
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": _last([chunk.system_fingerprint for chunk in chunks]),
+        "system_fingerprint": _latest(chunks, "system_fingerprint"),
         "usage": None,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
@@ -195,25 +183,25 @@ def _completion(chunks: list[_CompletionChunk]) -> dict[str, Any]:
 
 def _chat(chunks: list[_ChatChunk]) -> dict[str, Any]:
     choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
-    index = _last([choice.index for choice in choices])
-    finish = _last([choice.finish_reason for choice in choices])
+    index = _latest(choices, "index")
+    finish = _latest(choices, "finish_reason")
     choice = {
         "index": 0 if index is None else index,
         "message": _message(choices),
         "logprobs": None,
         "finish_reason": "stop" if finish is None else finish,
-        "stop_reason": _last([choice.stop_reason for choice in choices]),
+        "stop_reason": _latest(choices, "stop_reason"),
         "token_ids": None,
         "routed_experts": None,
     }
     return {
-        "id": _last([chunk.id for chunk in chunks]),
+        "id": _latest(chunks, "id"),
         "object": "chat.completion",
-        "created": _last([chunk.created for chunk in chunks]),
-        "model": _last([chunk.model for chunk in chunks]),
+        "created": _latest(chunks, "created"),
+        "model": _latest(chunks, "model"),
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": _last([chunk.system_fingerprint for chunk in chunks]),
+        "system_fingerprint": _latest(chunks, "system_fingerprint"),
         "usage": None,
         "prompt_logprobs": None,
         "prompt_token_ids": None,
@@ -260,6 +248,21 @@ def _last(values: list[Any]) -> Any:
         if value is not None:
             return value
     return None
+
+
+def _latest(items: Sequence[Any], member: str) -> Any:
+    """`_last` of one member of `items`, read from the end (where it almost always is)
+    rather than gathered from all of them."""
+    for item in reversed(items):
+        value = getattr(item, member)
+        if value is not None:
+            return value
+    return None
+
+
+def _choices_before_last(chunks: Sequence[_AnyChunk]) -> bool:
+    """Whether every chunk but the last has choices (only the usage chunk may have none)."""
+    return all(chunk.choices for chunk in islice(chunks, max(len(chunks) - 1, 0)))
 
 
 def _missing(usage: dict[str, Any]) -> dict[str, Any]:
