@@ -141,6 +141,11 @@ async def test_kv_events_keep_the_index_right_after_evictions(
                     async with http.post(server.url + "/v1/completions", json=body) as response:
                         assert response.status == 200, await response.text()
                         await response.read()
+                    # The request is recorded just after its answer is sent.
+                    for _ in range(500):
+                        if outcome:
+                            break
+                        await asyncio.sleep(0.01)
                 finally:
                     server.router.call_hooks.remove(note)
                 hits = await counter(engine, "vllm:prefix_cache_hits_total") - before
