@@ -3,12 +3,13 @@
 aiohttp serves every route, but on the hot path its per-request machinery (request, URL and
 response objects, routing, middlewares, a task per request besides its connection's) cost
 16 to 17 % of the router's CPU per request on the benchmark's shapes. So the router's
-listener reads client connections itself first. A request head is parsed by httptools; the usual client request
-(POST to /v1/completions or /v1/chat/completions, HTTP/1.1, one Content-Length within the
-size limit, no content coding, no Expect or Upgrade, its key accepted) is served here and
-its answer written to the transport directly. Any other request hands the connection,
-from that request's first byte, to aiohttp, which serves it and the rest of the
-connection as it always has (including the 400, 401 and 413 answers).
+listener reads client connections itself first. A request head is parsed by httptools;
+the usual client request (POST to /v1/completions or /v1/chat/completions, HTTP/1.1, one
+Content-Length within the size limit, no content coding, no Expect or Upgrade, its key
+accepted) is served here and its answer written to the transport directly. Any other
+request hands the connection, from that request's first byte, to aiohttp, which serves
+it and the rest of the connection as it always has (including the 400, 401 and 413
+answers).
 """
 
 from __future__ import annotations
