@@ -317,7 +317,6 @@ class FrontReply:
         self._parts: list[bytes] = []
         self._received = 0
         self._arrived: asyncio.Future[None] | None = None
-        self.keep_alive = keep_alive
         self._head = b""
         self._committed = False
         # Whether any byte of the answer went out, whether all of it did, and whether the

@@ -182,8 +182,8 @@ class Rescue:
         """A fresh prefill of P + G, a fresh handoff and a decode on another consumer."""
         router, call, progress = self.router, self.call, self.progress
         started = time.perf_counter()
-        # Placed by the client's own prompt: the replay begins with it, so a producer that
-        # holds it (most likely the one that prefilled it) recomputes only the answer so far.
+        # Placed by the client's own prompt: the replay begins with it, so prefix placement
+        # prefers the producer expected to hold it in its prefix cache.
         key = router.fleet.placer.key(self.client_request.body)
         while True:
             why = refusal(self.client_request, progress, self.settings.max_tracked_tokens)
