@@ -34,7 +34,11 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
     assert set(report.faults) == {*FAULTS, OUTAGE}
     tally = report.tally
     assert tally.requests == tally.lines == 2000
-    assert tally.closed > 0 and tally.terminal > 0
+    # Clients leave part-way in every run. A terminal error event ends only a stream cut
+    # where it cannot be continued, which the load makes rare (none in about one run in
+    # six): the soak checks each one that happens; tests/e2e/test_engine_faults.py and
+    # test_continuation.py make them on purpose.
+    assert tally.closed > 0
     # Refused decodes, expired handoffs and departed clients leave handoffs undelivered;
     # the soak checked that the journal and the metrics agree on each producer's.
     assert sum(a.handoffs for a in tally.abandoned.values()) > 0
