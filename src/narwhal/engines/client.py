@@ -42,6 +42,7 @@ from narwhal.protocol.sse import (
     SseEvent,
     classify,
 )
+from narwhal.timeouts import clock
 
 MAX_PREFILL_ANSWER_BYTES = 8 << 20
 # Events before the first token are held for the client, none dropped; an engine that
@@ -163,7 +164,7 @@ class EngineClient:
         self.open_legs += 1
         connection: Connection | None = None
         try:
-            async with asyncio.timeout(self.prefill_timeout_s):
+            async with clock().timeout(self.prefill_timeout_s):
                 connection = await self._post(producer_url, endpoint, data, request_id, trace)
                 if connection.status != 200:
                     raise await status_error(connection, name, "prefill")
@@ -258,7 +259,7 @@ class EngineClient:
         held: list[SseEvent] = []
         held_bytes = 0
         try:
-            async with asyncio.timeout(self.first_token_timeout_s):
+            async with clock().timeout(self.first_token_timeout_s):
                 connection = await self._post(
                     consumer_url,
                     endpoint,

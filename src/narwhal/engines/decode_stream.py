@@ -22,6 +22,7 @@ from narwhal.protocol.sse import (
     classify,
     classify_after_first_output,
 )
+from narwhal.timeouts import Clock, clock
 
 T = TypeVar("T")
 # How the usual stream ends, LF-framed; its `[DONE]` wakes a bulk read.
@@ -74,7 +75,7 @@ class DecodeStream:
         self._loop = asyncio.get_running_loop()
         self._last_read = self._loop.time()
         self._watchdog = (
-            _Watchdog(self._loop, read_timeout_s, connection.close) if read_timeout_s else None
+            _Watchdog(clock(), read_timeout_s, connection.close) if read_timeout_s else None
         )
 
     async def __aenter__(self) -> Self:
@@ -306,25 +307,23 @@ class _Watchdog:
     costs no timer churn per chunk.
     """
 
-    __slots__ = ("_handle", "_on_silence", "fired", "last", "loop", "timeout")
+    __slots__ = ("_clock", "_handle", "_on_silence", "fired", "last", "timeout")
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, timeout: float, on_silence: Callable[[], None]
-    ) -> None:
-        self.loop = loop
+    def __init__(self, clock: Clock, timeout: float, on_silence: Callable[[], None]) -> None:
+        self._clock = clock
         self.timeout = timeout
-        self.last = loop.time()
+        self.last = clock.loop.time()
         self.fired = False
         self._on_silence = on_silence
-        self._handle = loop.call_at(self.last + timeout, self._check)
+        self._handle = clock.call_at(self.last + timeout, self._check)
 
     def _check(self) -> None:
         due = self.last + self.timeout
-        if self.loop.time() >= due:
+        if self._clock.loop.time() >= due:
             self.fired = True
             self._on_silence()
         else:
-            self._handle = self.loop.call_at(due, self._check)
+            self._handle = self._clock.call_at(due, self._check)
 
     def cancel(self) -> None:
         self._handle.cancel()

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from narwhal.timeouts import clock
+
 # vLLM closes idle keep-alive connections after 5 s; stop reusing ours a little before.
 KEEPALIVE_S = 4.0
 # Body bytes held unread before the socket stops being read (back-pressure to the engine).
@@ -322,7 +324,7 @@ class ConnectionPool:
         if origin.scheme == "https":
             tls = self.tls or ssl.create_default_context()
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with clock().timeout(self.connect_timeout_s):
                 transport, protocol = await loop.create_connection(
                     lambda: Connection(self, origin),
                     origin.host,

@@ -38,6 +38,7 @@ from narwhal.placement_config import PlacementConfig
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.placement import Placer, PromptKey
 from narwhal.router.seat_share import WHOLE, SeatShare
+from narwhal.timeouts import clock
 
 NOT_YET_PROBED = "added at runtime: waiting for its first probe"
 
@@ -470,7 +471,7 @@ class Fleet:
         waiter = _Waiter(avoid, key, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         try:
-            async with asyncio.timeout(self.queue_timeout_s):
+            async with clock().timeout(self.queue_timeout_s):
                 return await waiter.future
         except TimeoutError:
             self._abandon(waiter)

@@ -30,6 +30,7 @@ from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.reply import body_too_slow
 from narwhal.secrets import bearer_allowed
+from narwhal.timeouts import Pending, clock
 
 if TYPE_CHECKING:
     from narwhal.router.pipeline import Router
@@ -106,7 +107,8 @@ class FrontConnection(asyncio.Protocol):
         self._buffer = b""
         self._reply: FrontReply | None = None
         self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._clock = clock()
+        self._timer: Pending | None = None
         self._reading_paused = False
         self._writing_paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -267,7 +269,9 @@ class FrontConnection(asyncio.Protocol):
         """From the connection's opening, or its last answer, until a request's head is
         complete: an idle or slow-header client is disconnected after the client timeout."""
         self._stop_timer()
-        self._timer = self._loop.call_later(self.front.client_timeout_s, self.close)
+        self._timer = self._clock.call_at(
+            self._loop.time() + self.front.client_timeout_s, self.close
+        )
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -355,7 +359,7 @@ class FrontReply:
         if not self.body_complete:
             self._arrived = asyncio.get_running_loop().create_future()
             try:
-                async with asyncio.timeout(timeout_s):
+                async with clock().timeout(timeout_s):
                     await self._arrived
             except TimeoutError:
                 raise body_too_slow(timeout_s) from None

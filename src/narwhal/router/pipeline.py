@@ -52,6 +52,7 @@ from narwhal.router.respond import answer_error, collect, relay
 from narwhal.router.seat_share import SeatShare
 from narwhal.router.state import snapshot
 from narwhal.secrets import Secrets
+from narwhal.timeouts import clock
 from narwhal.tracing_config import resolve_tracing
 
 if TYPE_CHECKING:
@@ -229,7 +230,7 @@ class Router:
             try:
                 if self.draining:
                     raise shutting_down()
-                async with asyncio.timeout_at(call.deadline):
+                async with clock().timeout_at(call.deadline):
                     await self._serve(reply, call)
             except TimeoutError:
                 raise NarwhalError(

@@ -8,7 +8,6 @@ writes through this interface alone, so both answer alike.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Mapping
 from typing import Protocol
@@ -16,6 +15,7 @@ from typing import Protocol
 from aiohttp import web
 
 from narwhal.protocol.errors import NarwhalError, client_error
+from narwhal.timeouts import clock
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -94,7 +94,7 @@ class AiohttpReply:
             if request.content.is_eof():
                 # The usual case: the body came with the headers, and no timer is needed.
                 return await request.read()
-            async with asyncio.timeout(timeout_s):
+            async with clock().timeout(timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise body_too_large(request.client_max_size) from None
