@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "dev":
         from narwhal.dev import run_dev
 
-        sys.exit(runtime.run(run_dev(args.host, args.port, args.journal, args.engine)))
+        sys.exit(runtime.run(run_dev(args.host, args.port, args.journal, args.engine), server=True))
     if args.command == "serve":
         from narwhal.router.serve import run_serve
 
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                     skip_preflight=args.skip_preflight,
                     workers=args.workers,
                     log_format=args.log_format,
-                )
+                ),
+                server=True,
             )
         )
     if args.command == "chaos":

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     _name_worker_in_logs(args.worker)
     sys.exit(
         runtime.run(
-            run_worker(args.config, args.host, args.port, args.worker, args.workers, args.run_dir)
+            run_worker(args.config, args.host, args.port, args.worker, args.workers, args.run_dir),
+            server=True,
         )
     )
 
