@@ -42,9 +42,13 @@ async def test_a_short_soak_with_every_fault_keeps_every_promise() -> None:
     # Refused decodes, expired handoffs and departed clients leave handoffs undelivered;
     # the soak checked that the journal and the metrics agree on each producer's.
     assert sum(a.handoffs for a in tally.abandoned.values()) > 0
+    # Faults bit: requests were retried onto other engines, and some failed anyway with an
+    # engine's error. Which errors those are is chance (a run may bring no 502 at all);
+    # the soak checked each one's status against its cause.
+    assert tally.retried > 0
     statuses = {status for status, _ in tally.outcomes}
-    # With three consumers a 503 for lack of an engine is rare: it may or may not happen.
-    assert {200, 499, 502} <= statuses
+    assert {200, 499} <= statuses
+    assert sum(n for (status, _), n in tally.outcomes.items() if status not in (200, 499)) > 0
     assert all(reason != "other" for _, reason in tally.unavailable)
     assert sum(n for (status, _), n in tally.outcomes.items() if status == 200) > 500
     # Consumers crashed mid-answer and answers were continued.

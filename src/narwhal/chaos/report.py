@@ -80,7 +80,7 @@ def format_report(report: Report) -> str:
         f"faults injected ({sum(report.faults.values())}):",
     ]
     out += [f"  {kind:<22}{count:>8}" for kind, count in sorted(report.faults.items())]
-    out.append(f"outcomes ({tally.lines} journal lines):")
+    out.append(f"outcomes ({tally.lines} journal lines, {tally.retried} after a retry):")
     out += [
         f"  {status} {cause:<20}{n:>7}" for (status, cause), n in sorted(tally.outcomes.items())
     ]

@@ -63,6 +63,8 @@ class Tally:
         self._lines: dict[int, dict[str, Any]] = {}
         self._judged = bytearray()
         self.requests = self.lines = self.left = self.closed = self.terminal = 0
+        # Journal lines whose request took more than one attempt: faults the router survived.
+        self.retried = 0
         self.outcomes: Counter[tuple[int, str]] = Counter()
         # 429 and 503 answers by (status, reason).
         self.unavailable: Counter[tuple[int, str]] = Counter()
@@ -104,6 +106,7 @@ class Tally:
         self.lines += 1
         self.outcomes[line["status"], line["cause"] or line["outcome"]] += 1
         self.closed += line["status"] == CLIENT_CLOSED
+        self.retried += line["attempts"] > 1
         self.rules.add(line_problems(line, self._max_attempts))
         cut = cut_outcome(line)
         if cut is not None:
