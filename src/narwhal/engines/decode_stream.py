@@ -77,6 +77,10 @@ class DecodeStream:
         self._watchdog = (
             _Watchdog(clock(), read_timeout_s, connection.close) if read_timeout_s else None
         )
+        # Set by `push_to`: plain events go out from the transport read that brings them.
+        self._push: Callable[[bytes], bool] | None = None
+        self._pushing = False
+        self._push_failure: Exception | None = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -103,11 +107,22 @@ class DecodeStream:
     def __aiter__(self) -> Self:
         return self
 
+    def push_to(self, write: Callable[[bytes], bool]) -> None:
+        """Iteration forwards runs of plain events itself, with `write`, as each read brings
+        them (no task wakes per read); it yields only what needs its caller: events after a
+        decision, the last block, and any block after `write` returned False (the client's
+        writes paused: the caller's own write then waits for them). A failure `write` raises
+        (the client gone) is raised by the iteration."""
+        self._push = write
+        self._pushing = True
+
     async def __anext__(self) -> bytes:
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
         parts: list[bytes] = []
+        if self._push is not None:
+            self._pushing = True  # what the caller was given is written by now
         if self._first is not None:
             parts.append(_joined(self._first))
             self._first = None
@@ -118,6 +133,13 @@ class DecodeStream:
             elif parts:
                 break  # the rest needs a read: what has arrived goes out first
             else:
+                if self._pushing:
+                    await self._connection.pump(self._pushed)
+                    if self._push_failure is not None:
+                        gone, self._push_failure = self._push_failure, None
+                        raise gone
+                    if self._buffered:
+                        continue
                 chunk = await self._read()
                 now = self._loop.time()
                 self._gaps.add(now - self._last_read)
@@ -189,6 +211,31 @@ class DecodeStream:
         self._last_read = now
         if self._watchdog is not None:
             self._watchdog.last = now
+
+    def _pushed(self, chunk: bytes) -> None:
+        """One transport read while pumping: its plain events written at once; anything
+        else (an event to decide, the end) ends the pump, left for the iteration."""
+        now = self._loop.time()
+        self._gaps.add(now - self._last_read)
+        self._last_read = now
+        if self._watchdog is not None:
+            self._watchdog.last = now
+        decoder = self._decoder
+        plain = decoder.feed_plain(chunk)
+        more = True
+        if plain:
+            assert self._push is not None
+            try:
+                more = self._push(plain)
+            except Exception as exc:  # the client gone: raised by the iteration instead
+                self._push_failure = exc
+                more = False
+        if decoder.ready():
+            self._buffered = True
+        if not more:
+            self._pushing = False
+        if self._buffered or not more:
+            self._connection.unpump()
 
     def _decide_all(self, chunk: bytes) -> bytes:
         """The forwarded bytes of `chunk` and what the decoder holds, every event decided."""

@@ -92,6 +92,8 @@ class Connection(asyncio.Protocol):
         self._tail = b""
         self._marked = False
         self._on_data: Callable[[], None] | None = None
+        # While `pump` runs: who takes each body piece as it arrives.
+        self._sink: Callable[[bytes], None] | None = None
 
     # The request ---------------------------------------------------------------------
 
@@ -156,6 +158,29 @@ class Connection(asyncio.Protocol):
             self._markers, self._tail, self._on_data = (), b"", None
         return await self.read()
 
+    async def pump(self, sink: Callable[[bytes], None]) -> None:
+        """Hand each body piece to `sink` in the transport read that brings it, until `unpump`
+        is called (by the sink, say) or the body ends or fails: a stream relayed piece by
+        piece wakes no task per piece. Only when nothing is held: what arrives is the sink's.
+        """
+        if self._body or self._complete or self._error is not None:
+            return
+        self._sink = sink
+        try:
+            while self._sink is not None and not self._complete and self._error is None:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._sink = None
+
+    def unpump(self) -> None:
+        """End `pump`: later pieces are held for `read` again."""
+        self._sink = None
+        self._wake()
+
     async def read_all(self, limit: int) -> bytes:
         """The whole body; raises `TooLarge` past `limit` bytes."""
         parts: list[bytes] = []
@@ -219,6 +244,9 @@ class Connection(asyncio.Protocol):
             self._head.set_result(self.status)
 
     def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._sink(body)
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:

@@ -384,6 +384,13 @@ class FrontReply:
         if self.connection.writing_paused:
             await self.connection.drain()
 
+    def writer(self) -> Callable[[bytes], bool]:
+        return self._write_now
+
+    def _write_now(self, data: bytes) -> bool:
+        self._send(b"%x\r\n%b\r\n" % (len(data), data))
+        return not self.connection.writing_paused
+
     async def end(self, data: bytes = b"") -> None:
         last = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         self._send(last)

@@ -9,7 +9,7 @@ writes through this interface alone, so both answer alike.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from aiohttp import web
@@ -48,6 +48,11 @@ class Reply(Protocol):
 
     async def write(self, data: bytes) -> None:
         """Bytes of the committed stream."""
+        ...
+
+    def writer(self) -> Callable[[bytes], bool] | None:
+        """A write of the committed stream that does not wait, where this reply has one:
+        called from a transport read, it returns False once the client's writes are paused."""
         ...
 
     async def end(self, data: bytes = b"") -> None:
@@ -113,6 +118,9 @@ class AiohttpReply:
     async def write(self, data: bytes) -> None:
         assert self._stream is not None
         await self._stream.write(data)
+
+    def writer(self) -> None:
+        return None  # aiohttp's writes wait
 
     async def end(self, data: bytes = b"") -> None:
         assert self._stream is not None

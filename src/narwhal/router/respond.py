@@ -26,9 +26,14 @@ async def relay(reply: Reply, call: Call, stream: DecodeStream) -> None:
     """Commit the 200 (output exists by now) and forward engine bytes as they come.
 
     Each block holds everything that had arrived; the last one goes with [DONE] and the
-    end of the answer, so a stream costs as few writes as the engine's reads allow.
+    end of the answer, so a stream costs as few writes as the engine's reads allow. Where
+    the reply can write without waiting, plain events go out from the engine's reads
+    themselves (`DecodeStream.push_to`) and this loop wakes only for the rest.
     """
     await reply.open_stream(stream_headers(call))
+    writer = reply.writer()
+    if writer is not None:
+        stream.push_to(writer)
     last = b""
     async for data in stream:
         if stream.done:
