@@ -108,13 +108,21 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_plain_tokens_are_written_in_the_read_that_brings_them() -> None:
-    conn, _, stream = await open_stream()
+async def pushing(
+    read_timeout_s: float = 0.0,
+) -> tuple[Connection, Transport, DecodeStream, Client, asyncio.Future[bytes | None]]:
+    """A stream pushing to a client, its first token taken, its next block awaited."""
+    conn, transport, stream = await open_stream(read_timeout_s)
     client = Client()
     stream.push_to(client.write)
     assert await anext(stream) == token("first")  # the first token is the caller's
     pending = asyncio.ensure_future(next_block(stream))
     await settle()
+    return conn, transport, stream, client, pending
+
+
+async def test_plain_tokens_are_written_in_the_read_that_brings_them() -> None:
+    conn, _, stream, client, pending = await pushing()
     for text in ("a", "b", "c"):
         conn.data_received(piece(token(text)))
         # Written before any task ran: the read itself wrote it.
@@ -127,12 +135,7 @@ async def test_plain_tokens_are_written_in_the_read_that_brings_them() -> None:
 
 
 async def test_a_paused_client_gets_the_next_block_from_its_own_write() -> None:
-    conn, _, stream = await open_stream()
-    client = Client()
-    stream.push_to(client.write)
-    await anext(stream)
-    pending = asyncio.ensure_future(next_block(stream))
-    await settle()
+    conn, _, stream, client, pending = await pushing()
     client.paused = True
     conn.data_received(piece(token("a")))
     assert client.written == [token("a")]
@@ -156,12 +159,7 @@ async def test_a_paused_client_gets_the_next_block_from_its_own_write() -> None:
 
 
 async def test_a_client_gone_mid_push_ends_the_iteration_with_its_error() -> None:
-    conn, _, stream = await open_stream()
-    client = Client()
-    stream.push_to(client.write)
-    await anext(stream)
-    pending = asyncio.ensure_future(next_block(stream))
-    await settle()
+    conn, _, stream, client, pending = await pushing()
     client.gone = True
     conn.data_received(piece(token("a")))
     with pytest.raises(ConnectionResetError):
@@ -171,12 +169,7 @@ async def test_a_client_gone_mid_push_ends_the_iteration_with_its_error() -> Non
 
 
 async def test_an_error_object_after_pushed_tokens_is_raised_after_them() -> None:
-    conn, _, stream = await open_stream()
-    client = Client()
-    stream.push_to(client.write)
-    await anext(stream)
-    pending = asyncio.ensure_future(next_block(stream))
-    await settle()
+    conn, _, _stream, client, pending = await pushing()
     conn.data_received(piece(token("a")))
     conn.data_received(piece(token("b") + b'data: {"error":{"message":"boom","code":503}}\n\n'))
     with pytest.raises(NarwhalError) as failure:
@@ -186,12 +179,7 @@ async def test_an_error_object_after_pushed_tokens_is_raised_after_them() -> Non
 
 
 async def test_an_engine_that_breaks_mid_push_is_closed_early() -> None:
-    conn, _, stream = await open_stream()
-    client = Client()
-    stream.push_to(client.write)
-    await anext(stream)
-    pending = asyncio.ensure_future(next_block(stream))
-    await settle()
+    conn, _, _stream, client, pending = await pushing()
     conn.data_received(piece(token("a")))
     conn.connection_lost(ConnectionResetError("reset by peer"))
     with pytest.raises(NarwhalError) as failure:
@@ -201,12 +189,7 @@ async def test_an_engine_that_breaks_mid_push_is_closed_early() -> None:
 
 
 async def test_an_engine_silent_mid_push_is_a_silence_504() -> None:
-    conn, transport, stream = await open_stream(read_timeout_s=0.05)
-    client = Client()
-    stream.push_to(client.write)
-    await anext(stream)
-    pending = asyncio.ensure_future(next_block(stream))
-    await settle()
+    conn, transport, _stream, client, pending = await pushing(read_timeout_s=0.05)
     conn.data_received(piece(token("a")))
     with pytest.raises(NarwhalError) as failure:
         await asyncio.wait_for(pending, 10)

@@ -114,7 +114,6 @@ class DecodeStream:
         writes paused: the caller's own write then waits for them). A failure `write` raises
         (the client gone) is raised by the iteration."""
         self._push = write
-        self._pushing = True
 
     async def __anext__(self) -> bytes:
         if self._failure is not None:

@@ -120,11 +120,7 @@ class Connection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         data = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
         self._buffered = 0
@@ -149,11 +145,7 @@ class Connection(asyncio.Protocol):
             while not (
                 self._marked or self._complete or self._error is not None or self._buffered >= limit
             ):
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
         finally:
             self._markers, self._tail, self._on_data = (), b"", None
         return await self.read()
@@ -168,13 +160,17 @@ class Connection(asyncio.Protocol):
         self._sink = sink
         try:
             while self._sink is not None and not self._complete and self._error is None:
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
         finally:
             self._sink = None
+
+    async def _wait(self) -> None:
+        """Until the next piece, the body's end or a failure (whatever `_wake`s)."""
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def unpump(self) -> None:
         """End `pump`: later pieces are held for `read` again."""
