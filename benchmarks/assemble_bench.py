@@ -19,8 +19,8 @@ from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.sse import block_payloads
 from narwhal.router.assemble import Assembler
 from narwhal.router.assemble_typed import typed_answer
-from narwhal.sim.api import Route
-from narwhal.sim.responses import StreamEncoder, Usage
+from narwhal.tools.sim.api import Route
+from narwhal.tools.sim.responses import StreamEncoder, Usage
 
 
 def stream_block(endpoint: Endpoint, tokens: int) -> tuple[bytes, dict[str, object]]:

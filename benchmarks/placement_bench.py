@@ -36,17 +36,17 @@ import aiohttp
 import orjson
 from placement_traces import TRACES, Session, build, request_count
 
-from narwhal import runtime
-from narwhal.config import parse_config
-from narwhal.goodput.score import percentile
-from narwhal.placement_config import PlacementConfig
-from narwhal.router.app import RouterServer
+from narwhal.config.placement import PlacementConfig
+from narwhal.config.root import parse_config
+from narwhal.fleet.placement import Placer, PromptKey
+from narwhal.http.app import RouterServer
 from narwhal.router.call import Call
-from narwhal.router.placement import Placer, PromptKey
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.fleet import SimFleet
-from narwhal.sim.model import chat_prompt, tokenize
-from narwhal.sim.options import profile_options
+from narwhal.runtime import main as runtime
+from narwhal.tools.goodput.score import percentile
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.fleet import SimFleet
+from narwhal.tools.sim.model import chat_prompt, tokenize
+from narwhal.tools.sim.options import profile_options
 
 MODEL = "narwhal-sim"
 POLICIES = ("p2c", "session", "prefix", "oracle")

@@ -17,9 +17,9 @@ import time
 
 import aiohttp
 
-from narwhal import runtime
-from narwhal.goodput.replay import FleetProcess
-from narwhal.sim.model import VOCAB_SIZE
+from narwhal.runtime import main as runtime
+from narwhal.tools.goodput.replay import FleetProcess
+from narwhal.tools.sim.model import VOCAB_SIZE
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, prompt: int, output: int) -> int:

@@ -25,8 +25,8 @@ import aiohttp
 import orjson
 import uvloop
 
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.options import SimOptions
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.options import SimOptions
 
 TARGET_TOKENS_PER_S = 20_000
 

@@ -15,9 +15,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from narwhal.config import parse_config
+from narwhal.config.root import parse_config
+from narwhal.http.app import RouterServer, bound_port
 from narwhal.protocol.sse import SseDecoder
-from narwhal.router.app import RouterServer, bound_port
 from support import MODEL
 
 COMPLETIONS = "/v1/completions"

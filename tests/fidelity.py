@@ -284,7 +284,7 @@ def load(out: Path = FIXTURES) -> dict[str, dict[str, Any]]:
 async def record_fresh_engine() -> dict[str, dict[str, Any]]:
     """Start a real producer engine as the real-engine suite does (a reasoning parser on),
     and record it."""
-    from narwhal.vllm_fleet import VllmFleet, VllmOptions
+    from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions
     from real_support import KV_LEASE_S, MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON
 
     options = VllmOptions(

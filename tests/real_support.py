@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 from openai import AsyncOpenAI
 
-from narwhal.router.app import RouterServer
-from narwhal.vllm_fleet import VllmEngine, VllmFleet
+from narwhal.http.app import RouterServer
+from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # not resolved: a venv's python is a link

@@ -17,14 +17,14 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
-from narwhal.config import parse_config
-from narwhal.router.app import RouterServer
-from narwhal.router.tracing import Tracing
-from narwhal.secrets import Secrets
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.faults import Fault
-from narwhal.sim.fleet import SimFleet
-from narwhal.sim.options import SimOptions
+from narwhal.config.root import parse_config
+from narwhal.config.secrets import Secrets
+from narwhal.http.app import RouterServer
+from narwhal.observe.tracing import Tracing
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.faults import Fault
+from narwhal.tools.sim.fleet import SimFleet
+from narwhal.tools.sim.options import SimOptions
 
 MODEL = "narwhal-sim"
 # Quick engines: tests wait on faults, not on simulated compute.

@@ -13,7 +13,7 @@ from bench_matrix import FEATURES, PLAIN, Feature, feature_cost, format_matrix
 from bench_model import BenchOptions, BenchReport, Summary
 from bench_targets import narwhal_config
 
-from narwhal.config import Config, parse_config
+from narwhal.config.root import Config, parse_config
 
 FLEET = ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
 

@@ -16,7 +16,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.config import (
+from narwhal.config.controller import ControllerConfig, SloConfig
+from narwhal.config.engine_spec import ContractValue, EngineContract, EngineSpec, Role
+from narwhal.config.placement import PlacementConfig
+from narwhal.config.report import validate_command
+from narwhal.config.root import (
     Config,
     ConfigError,
     EngineConfig,
@@ -28,11 +32,7 @@ from narwhal.config import (
     load_config,
     parse_config,
 )
-from narwhal.config_report import validate_command
-from narwhal.controller_config import ControllerConfig, SloConfig
-from narwhal.engine_spec import ContractValue, EngineContract, EngineSpec, Role
-from narwhal.placement_config import PlacementConfig
-from narwhal.tracing_config import TracingConfig
+from narwhal.config.tracing import TracingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, ServerConfig
-from narwhal.config_engines import (
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.engines import (
     EnginePatch,
     parse_engine_entry,
     parse_engine_patch,
     problem_path,
 )
-from narwhal.engine_spec import EngineSpec, Role
+from narwhal.config.root import ConfigError, ServerConfig
 
 SERVER = ServerConfig()
 ENTRY: dict[str, Any] = {"id": "d9", "url": "http://10.0.0.9:8100/", "role": "decode"}

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, parse_config
-from narwhal.controller_config import ControllerConfig
-from narwhal.engine_spec import Role
+from narwhal.config.controller import ControllerConfig
+from narwhal.config.engine_spec import Role
+from narwhal.config.root import ConfigError, parse_config
 
 
 def fleet(**extra: Any) -> dict[str, Any]:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, parse_config
-from narwhal.config_report import summary
-from narwhal.discovery_config import Credentials, DiscoveryConfig
+from narwhal.config.discovery import Credentials, DiscoveryConfig
+from narwhal.config.report import summary
+from narwhal.config.root import ConfigError, parse_config
 
 ENGINES = [
     {"id": "p", "url": "http://10.0.0.1:1", "role": "prefill"},

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from narwhal.journal_summary import read_summary, render, summarize_command
+from narwhal.observe.journal_summary import read_summary, render, summarize_command
 
 
 def request(status: int, outcome: str, **fields: object) -> bytes:

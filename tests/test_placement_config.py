@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, parse_config
-from narwhal.placement_config import PlacementConfig, Policy
+from narwhal.config.placement import PlacementConfig, Policy
+from narwhal.config.root import ConfigError, parse_config
 
 ENGINES = [
     {"id": "p0", "url": "http://10.0.0.1:1", "role": "prefill"},

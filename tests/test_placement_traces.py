@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from placement_traces import build, multi_turn, no_reuse, shared_prompts
 
-from narwhal.router.prefix_index import chunk_keys, prompt_text
+from narwhal.fleet.prefix_index import chunk_keys, prompt_text
 
 
 def text(messages: tuple[tuple[str, str], ...]) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from narwhal.reload import reload_command
+from narwhal.commands.reload import reload_command
 
 FILE = """model = "m"
 [server]

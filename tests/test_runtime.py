@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from narwhal import runtime
+from narwhal.runtime import main as runtime
 
 
 @pytest.fixture

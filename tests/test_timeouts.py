@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.timeouts import GRANULARITY_S, Clock, Pending, clock
+from narwhal.runtime.clock import GRANULARITY_S, Clock, Pending, clock
 
 
 class _Handle:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.top import failures_of, render, status_word
+from narwhal.commands.top import failures_of, render, status_word
 
 
 def engine(name: str, role: str, **changes: Any) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, parse_config
-from narwhal.tracing_config import (
+from narwhal.config.root import ConfigError, parse_config
+from narwhal.config.tracing import (
     DEFAULT_SERVICE_NAME,
     TracingConfig,
     TracingSettings,

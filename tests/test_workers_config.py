@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import ConfigError, parse_config
-from narwhal.workers_config import conflict, parse_workers_flag, quota_cores, resolve_workers
+from narwhal.config.root import ConfigError, parse_config
+from narwhal.config.workers import conflict, parse_workers_flag, quota_cores, resolve_workers
 
 ENGINES = [
     {"id": "p", "url": "http://10.0.0.1:1", "role": "prefill"},

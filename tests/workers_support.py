@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import serve_process
 
 MODEL = "narwhal-sim"

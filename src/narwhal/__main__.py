@@ -1,3 +1,3 @@
-from narwhal.cli import main
+from narwhal.commands.cli import main
 
 main()

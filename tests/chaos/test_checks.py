@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.chaos.checks import (
+from narwhal.tools.chaos.checks import (
     READMIT_GRACE_S,
     AbandonedTotals,
     abandoned_problems,
@@ -23,7 +23,7 @@ from narwhal.chaos.checks import (
     status_allowed,
     unavailable_reason,
 )
-from narwhal.chaos.downtime import Downtime
+from narwhal.tools.chaos.downtime import Downtime
 
 
 @pytest.mark.parametrize(

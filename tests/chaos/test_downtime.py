@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from narwhal.chaos.downtime import Downtime
+from narwhal.tools.chaos.downtime import Downtime
 
 
 def decode_fleet(*spans: tuple[str, float, float | None]) -> Downtime:

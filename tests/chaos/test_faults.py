@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from narwhal.chaos.faults import FAULTS
-from narwhal.sim.faults import Fault
+from narwhal.tools.chaos.faults import FAULTS
+from narwhal.tools.sim.faults import Fault
 
 
 def test_the_soak_draws_every_fault_the_simulator_has_and_each_can_be_armed() -> None:

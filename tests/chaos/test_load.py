@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from narwhal.chaos.load import terminal_code
+from narwhal.tools.chaos.load import terminal_code
 
 
 def test_a_stream_ending_in_an_error_event_has_its_code_and_a_clean_one_none() -> None:

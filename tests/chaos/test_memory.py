@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.chaos.memory import memory_trend
+from narwhal.tools.chaos.memory import memory_trend
 
 MB = 2**20
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from narwhal.chaos.checks import CLIENT_CLOSED
-from narwhal.chaos.downtime import Downtime
-from narwhal.chaos.load import Sent
-from narwhal.chaos.tally import Tally
+from narwhal.tools.chaos.checks import CLIENT_CLOSED
+from narwhal.tools.chaos.downtime import Downtime
+from narwhal.tools.chaos.load import Sent
+from narwhal.tools.chaos.tally import Tally
 
 
 def line(index: int, status: int = 200, cause: str | None = None, **changes: Any) -> dict[str, Any]:

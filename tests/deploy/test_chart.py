@@ -13,8 +13,8 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from narwhal.config import parse_config
-from narwhal.secrets import load_secrets
+from narwhal.config.root import parse_config
+from narwhal.config.secrets import load_secrets
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "narwhal"
 EVERYTHING: dict[str, Any] = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kube_api import pod, set_ready
-from narwhal.discovery.pods import Action, Held, PodView, plan, read_pod
-from narwhal.discovery_config import DiscoveryConfig
-from narwhal.engine_spec import EngineSpec, Role
+from narwhal.config.discovery import DiscoveryConfig
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.fleet.sources.pods import Action, Held, PodView, plan, read_pod
 
 CONFIG = DiscoveryConfig(enabled=True, label_selector="app=vllm")
 

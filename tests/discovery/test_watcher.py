@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from kube_api import KubeApi, pod, set_ready
-from narwhal.discovery.kubernetes import Pods, PodWatcher
-from narwhal.discovery_config import Credentials, DiscoveryConfig
+from narwhal.config.discovery import Credentials, DiscoveryConfig
+from narwhal.fleet.sources.kubernetes import Pods, PodWatcher
 
 WAIT_S = 30.0
 

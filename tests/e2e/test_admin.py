@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from narwhal.secrets import Secrets
-from narwhal.sim.fleet import SimFleet
+from narwhal.config.secrets import Secrets
+from narwhal.tools.sim.fleet import SimFleet
 from support import COMPLETION, FAST, Stack, StackFactory, router_state, settled
 
 ADMIN_KEY = "sk-admin-1111111111"

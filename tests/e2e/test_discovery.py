@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 
 from kube_api import KubeApi, pod, set_ready
 from load_support import WAIT_S, Load, until
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
 from workers_support import post_fresh, serve_workers
 

@@ -22,7 +22,7 @@ import orjson
 from openai import AsyncOpenAI
 
 from load_support import WAIT_S, Load, until
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
 
 ADMIN_KEY = "sk-admin-3333333333"

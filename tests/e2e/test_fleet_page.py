@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 from playwright.async_api import Browser, Dialog, Error, Page, async_playwright, expect
 
-from narwhal.router.controller import Observation, PhaseLoad
-from narwhal.router.page import ASSET_TYPES
-from narwhal.secrets import Secrets
+from narwhal.config.secrets import Secrets
+from narwhal.control.controller import Observation, PhaseLoad
+from narwhal.http.page import ASSET_TYPES
 from support import COMPLETION, Stack, StackFactory, arm
 
 FOUR = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))

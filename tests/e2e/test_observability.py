@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.cli import main
-from narwhal.router.events import configure_logging
+from narwhal.commands.cli import main
+from narwhal.observe.events import configure_logging
 from support import (
     CHAT,
     COMPLETION,

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from narwhal.engines.probe import PROBE_PROMPT
+from narwhal.fleet.readmission import Verdict
+from narwhal.fleet.table import Engine
 from narwhal.protocol.errors import Cause, engine_error
-from narwhal.router.fleet import Engine
-from narwhal.router.readmission import Verdict
 from support import (
     COMPLETION,
     CONTRACT,

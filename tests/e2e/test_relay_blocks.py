@@ -13,9 +13,9 @@ import orjson
 from aiohttp import web
 
 from fake_engine import prefill_answer
-from narwhal.config import parse_config
+from narwhal.config.root import parse_config
+from narwhal.http.app import RouterServer, bound_port
 from narwhal.protocol.sse import SseDecoder
-from narwhal.router.app import RouterServer, bound_port
 from support import MODEL
 
 PREFILL = prefill_answer()

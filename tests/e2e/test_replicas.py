@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from narwhal.config import parse_config
-from narwhal.router.app import RouterServer
-from narwhal.sim.fleet import SimFleet
+from narwhal.config.root import parse_config
+from narwhal.http.app import RouterServer
+from narwhal.tools.sim.fleet import SimFleet
 from support import COMPLETION, FAST, peak_loads
 from workers_support import post_fresh
 

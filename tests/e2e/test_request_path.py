@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from narwhal.sim.faults import Fault
+from narwhal.tools.sim.faults import Fault
 from support import CHAT, COMPLETION, MODEL, StackFactory, direct_text, sse_payloads
 
 

@@ -11,10 +11,10 @@ import aiohttp
 import openai
 import pytest
 
-from narwhal.config import parse_config
-from narwhal.router.app import RouterServer
-from narwhal.secrets import Secrets, SecretsError, bearer_allowed, load_secrets
-from narwhal.sim.engine import SimEngine
+from narwhal.config.root import parse_config
+from narwhal.config.secrets import Secrets, SecretsError, bearer_allowed, load_secrets
+from narwhal.http.app import RouterServer
+from narwhal.tools.sim.engine import SimEngine
 from support import COMPLETION, FAST, MODEL, StackFactory, settled
 
 CLIENT_KEY = "sk-client-0123456789"

@@ -6,7 +6,7 @@ import asyncio
 import signal
 from pathlib import Path
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import (
     COMPLETION,
     FAST,

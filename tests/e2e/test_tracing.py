@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from narwhal.observe.tracing import Tracing
 from narwhal.protocol.tracecontext import format_traceparent
-from narwhal.router.tracing import Tracing
-from narwhal.sim.engine import Received
+from narwhal.tools.sim.engine import Received
 from support import MODEL, StackFactory, arm, settled
 
 TWO_PRODUCERS = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))

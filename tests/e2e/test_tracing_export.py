@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import FAST, MODEL, serve_process
 
 WAIT_S = 90.0

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.fleet import SimFleet
 from support import FAST, peak_loads
 from workers_support import MODEL, Served, fleet_toml, post_fresh, serve_workers
 

@@ -11,8 +11,8 @@ import pytest
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.protocol.errors import NarwhalError
-from narwhal.sim.faults import Fault
-from narwhal.sim.fleet import SimFleet
+from narwhal.tools.sim.faults import Fault
+from narwhal.tools.sim.fleet import SimFleet
 from support import COMPLETION, FAST, direct_text
 
 ROUTE = "/v1/completions"

@@ -3,7 +3,7 @@ splits, and one real run over simulated engines."""
 
 from __future__ import annotations
 
-from narwhal.goodput.replay import (
+from narwhal.tools.goodput.replay import (
     KV_LEASE_S,
     FleetProcess,
     SplitRun,
@@ -11,9 +11,9 @@ from narwhal.goodput.replay import (
     router_config,
     run_split,
 )
-from narwhal.goodput.report import controller_document, controller_table
-from narwhal.goodput.score import ALL, Outcome, Slo, split_stats
-from narwhal.goodput.traces import generate, phase_durations
+from narwhal.tools.goodput.report import controller_document, controller_table
+from narwhal.tools.goodput.score import ALL, Outcome, Slo, split_stats
+from narwhal.tools.goodput.traces import generate, phase_durations
 
 SLO = Slo(ttft_s=0.6, tpot_s=0.014)
 

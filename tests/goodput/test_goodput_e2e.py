@@ -9,9 +9,9 @@ Nothing is decided by the test: the splits are run and scored as `narwhal goodpu
 
 from __future__ import annotations
 
-from narwhal.goodput.replay import KV_LEASE_S, FleetProcess, run_split
-from narwhal.goodput.score import ALL, Slo, best_split, split_stats
-from narwhal.goodput.traces import generate, phase_durations
+from narwhal.tools.goodput.replay import KV_LEASE_S, FleetProcess, run_split
+from narwhal.tools.goodput.score import ALL, Slo, best_split, split_stats
+from narwhal.tools.goodput.traces import generate, phase_durations
 
 FIELDS = {
     "profile": "dev",

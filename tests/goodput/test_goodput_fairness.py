@@ -8,9 +8,9 @@ import asyncio
 import aiohttp
 
 from narwhal.engines.scrape import EngineReport
-from narwhal.goodput.command import run_order
-from narwhal.goodput.idle import is_idle
-from narwhal.goodput.replay import MODEL, FleetProcess
+from narwhal.tools.goodput.command import run_order
+from narwhal.tools.goodput.idle import is_idle
+from narwhal.tools.goodput.replay import MODEL, FleetProcess
 
 FIELDS = {"profile": "dev", "model": MODEL, "inter_token_s": 0.05}
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.goodput.capacity import engine_seconds, suggested_rate
-from narwhal.goodput.command import add_goodput_arguments, load_trace, splits_of
-from narwhal.goodput.score import (
+from narwhal.tools.goodput.capacity import engine_seconds, suggested_rate
+from narwhal.tools.goodput.command import add_goodput_arguments, load_trace, splits_of
+from narwhal.tools.goodput.score import (
     ALL,
     Outcome,
     Slo,
@@ -22,8 +22,8 @@ from narwhal.goodput.score import (
     phase_stats,
     split_stats,
 )
-from narwhal.goodput.traces import DECODE_HEAVY, PREFILL_HEAVY, TraceRequest, to_jsonl
-from narwhal.sim.options import profile_options
+from narwhal.tools.goodput.traces import DECODE_HEAVY, PREFILL_HEAVY, TraceRequest, to_jsonl
+from narwhal.tools.sim.options import profile_options
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.goodput.traces import (
+from narwhal.tools.goodput.traces import (
     DECODE_HEAVY,
     PREFILL_HEAVY,
     SHAPES,

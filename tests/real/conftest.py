@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from narwhal.config import parse_config
-from narwhal.router.app import RouterServer
-from narwhal.vllm_fleet import VllmFleet, VllmOptions
+from narwhal.config.root import parse_config
+from narwhal.http.app import RouterServer
+from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions
 from real_support import (
     CONTINUATION,
     FIGURES,

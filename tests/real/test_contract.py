@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.config import parse_config
-from narwhal.preflight import format_report, run_preflight
+from narwhal.config.root import parse_config
+from narwhal.fleet.preflight import format_report, run_preflight
 from real_support import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -23,9 +23,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from narwhal.config import parse_config
-from narwhal.router.app import RouterServer
-from narwhal.vllm_fleet import VllmEngine, VllmFleet, VllmOptions, free_ports
+from narwhal.config.root import parse_config
+from narwhal.http.app import RouterServer
+from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet, VllmOptions, free_ports
 from real_support import (
     FIGURES,
     KV_LEASE_S,

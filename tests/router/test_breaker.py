@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.engine_spec import EngineSpec, Role
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.fleet.breaker import COUNTED, Breaker, counts, may_eject
+from narwhal.fleet.table import EngineEvent, Fleet
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
-from narwhal.router.breaker import COUNTED, Breaker, counts, may_eject
-from narwhal.router.fleet import EngineEvent, Fleet
 
 
 def fleet() -> Fleet:

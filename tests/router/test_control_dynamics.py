@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from narwhal.config import Config
-from narwhal.controller_config import ControllerConfig, SloConfig
-from narwhal.engine_spec import EngineSpec, Role
-from narwhal.router.control_loop import ControlLoop
-from narwhal.router.controller import Decision, Observation
-from narwhal.router.fleet import EngineEvent, Fleet, Phase
-from narwhal.router.operations import FleetOperations
-from narwhal.router.phase_latency import PhaseLatency, Sample
+from narwhal.config.controller import ControllerConfig, SloConfig
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.root import Config
+from narwhal.control.controller import Decision, Observation
+from narwhal.control.loop import ControlLoop
+from narwhal.control.phase_latency import PhaseLatency, Sample
+from narwhal.fleet.operations import FleetOperations
+from narwhal.fleet.table import EngineEvent, Fleet, Phase
 
 DEFAULTS = ControllerConfig(enabled=True)
 SLO = SloConfig()  # TTFT 1 s, TPOT 50 ms

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from narwhal.config import Config
-from narwhal.controller_config import ControllerConfig, SloConfig
-from narwhal.engine_spec import EngineSpec, Role
-from narwhal.router.control_loop import ControlLoop, split
-from narwhal.router.controller import TOWARD_PREFILL, Observation, PhaseLoad
-from narwhal.router.fleet import EngineEvent, Fleet, Phase
-from narwhal.router.operations import FleetOperations, OperationError
-from narwhal.router.phase_latency import PhaseLatency, Sample
+from narwhal.config.controller import ControllerConfig, SloConfig
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.root import Config
+from narwhal.control.controller import TOWARD_PREFILL, Observation, PhaseLoad
+from narwhal.control.loop import ControlLoop, split
+from narwhal.control.phase_latency import PhaseLatency, Sample
+from narwhal.fleet.operations import FleetOperations, OperationError
+from narwhal.fleet.table import EngineEvent, Fleet, Phase
 
 SPECS = (
     EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),

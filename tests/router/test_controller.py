@@ -7,9 +7,9 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.controller_config import ControllerConfig, SloConfig
-from narwhal.engine_spec import Role
-from narwhal.router.controller import (
+from narwhal.config.controller import ControllerConfig, SloConfig
+from narwhal.config.engine_spec import Role
+from narwhal.control.controller import (
     TOWARD_DECODE,
     TOWARD_PREFILL,
     ControlState,

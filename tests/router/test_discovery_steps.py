@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from kube_api import pod, set_ready
-from narwhal.config import Config
-from narwhal.discovery_config import DiscoveryConfig
-from narwhal.engine_spec import EngineSpec, Role
-from narwhal.router.discovery import SOURCE, FleetDiscovery
-from narwhal.router.fleet import EngineEvent, Fleet
-from narwhal.router.operations import FleetOperations
+from narwhal.config.discovery import DiscoveryConfig
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.root import Config
+from narwhal.fleet.discovery import SOURCE, FleetDiscovery
+from narwhal.fleet.operations import FleetOperations
+from narwhal.fleet.table import EngineEvent, Fleet
 
 STATIC = (EngineSpec("static-p", "http://10.0.0.1:1", Role.PREFILL),)
 CONFIG = DiscoveryConfig(enabled=True, namespace="engines", label_selector="app=vllm")

@@ -6,10 +6,10 @@ from types import MappingProxyType
 
 import pytest
 
-from narwhal.engine_spec import EngineSpec, Role
+from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE, EngineReport
-from narwhal.router.engine_reports import EngineReports, Window, judge_silence
-from narwhal.router.fleet import EngineEvent, Fleet
+from narwhal.fleet.engine_reports import EngineReports, Window, judge_silence
+from narwhal.fleet.table import EngineEvent, Fleet
 
 
 def report(external: float, computed: float) -> EngineReport:

@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import pytest
 
+from narwhal.http.front import Front, FrontConnection, FrontReply
 from narwhal.protocol.bodies import Endpoint
-from narwhal.router.front import Front, FrontConnection, FrontReply
 from narwhal.router.pipeline import Router
 
 

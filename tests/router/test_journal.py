@@ -8,12 +8,12 @@ from pathlib import Path
 
 import orjson
 
-from narwhal.router.journal import Journal
+from narwhal.observe.journal import Journal
 
 WRITER = """
 import asyncio, sys
 from pathlib import Path
-from narwhal.router.journal import Journal
+from narwhal.observe.journal import Journal
 
 async def main() -> None:
     journal = Journal(Path(sys.argv[1]), {"worker": int(sys.argv[2])})

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from narwhal.router.loop_histogram import LoopHistogram
-from narwhal.router.metrics import DURATION_BUCKETS, LATENCY_BUCKETS
+from narwhal.observe.loop_histogram import LoopHistogram
+from narwhal.observe.metrics import DURATION_BUCKETS, LATENCY_BUCKETS
 
 
 class _One(Collector):

@@ -10,16 +10,16 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.config import parse_config
+from narwhal.config.root import parse_config
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.handoff import DescriptorRejected
+from narwhal.observe.events import JsonFormatter, log_call
+from narwhal.observe.recent import RecentCalls, nearest_rank, percentiles
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.descriptor import Defect
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.call import Call, Stage
-from narwhal.router.events import JsonFormatter, log_call
 from narwhal.router.pipeline import Router
-from narwhal.router.recent import RecentCalls, nearest_rank, percentiles
 
 
 def router() -> Router:

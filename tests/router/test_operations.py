@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from narwhal.config import Config, RecoveryConfig, RestartPolicy
-from narwhal.engine_spec import EngineSpec, Role
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.root import Config, RecoveryConfig, RestartPolicy
 from narwhal.engines.client import EngineClient
+from narwhal.fleet.breaker import Breaker
+from narwhal.fleet.operations import FleetOperations, OperationError, floor_breach
+from narwhal.fleet.readmission import FAILURE, SUCCESS, Readmission, Verdict
+from narwhal.fleet.table import NOT_YET_PROBED, Engine, EngineEvent, Fleet, Phase
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
-from narwhal.router.breaker import Breaker
-from narwhal.router.fleet import NOT_YET_PROBED, Engine, EngineEvent, Fleet, Phase
-from narwhal.router.operations import FleetOperations, OperationError, floor_breach
-from narwhal.router.readmission import FAILURE, SUCCESS, Readmission, Verdict
 
 SPECS = (
     EngineSpec("p0", "http://10.0.0.1:1", Role.PREFILL),

@@ -3,9 +3,9 @@ output token after the consumer's first, and a window that can leave out older a
 
 from __future__ import annotations
 
+from narwhal.control.phase_latency import PhaseLatency, Sample, sample_of
 from narwhal.protocol.bodies import Endpoint
 from narwhal.router.call import Call
-from narwhal.router.phase_latency import PhaseLatency, Sample, sample_of
 
 
 def call(**fields: object) -> Call:

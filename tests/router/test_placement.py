@@ -11,9 +11,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from narwhal.config.placement import PlacementConfig, Policy
 from narwhal.engines.kv_events import CacheChange
-from narwhal.placement_config import PlacementConfig, Policy
-from narwhal.router.placement import Placer, rendezvous, within_bound
+from narwhal.fleet.placement import Placer, rendezvous, within_bound
 
 
 @dataclass(eq=False)

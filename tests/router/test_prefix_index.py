@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.router.prefix_index import PrefixIndex, chunk_keys, prompt_text
+from narwhal.fleet.prefix_index import PrefixIndex, chunk_keys, prompt_text
 
 texts = st.text(alphabet="abcdé \n", max_size=400)
 

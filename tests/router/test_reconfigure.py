@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.config import Config, RecoveryConfig, ServerConfig, parse_config
-from narwhal.engine_spec import EngineSpec, Role
-from narwhal.router.reconfigure import IN_PLACE, Change, Plan, diff_engines, plan, restart_only
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.root import Config, RecoveryConfig, ServerConfig, parse_config
+from narwhal.fleet.reconfigure import IN_PLACE, Change, Plan, diff_engines, plan, restart_only
 
 P0 = EngineSpec("p0", "http://10.0.0.1:8100", Role.PREFILL)
 P1 = EngineSpec("p1", "http://10.0.0.2:8100", Role.PREFILL)

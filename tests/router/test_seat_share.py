@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.engine_spec import EngineSpec, Role
-from narwhal.router.fleet import Engine, Phase
-from narwhal.router.seat_share import WHOLE, SeatShare, others_load
+from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.fleet.seat_share import WHOLE, SeatShare, others_load
+from narwhal.fleet.table import Engine, Phase
 
 
 @pytest.mark.parametrize("limit", range(0, 20))

@@ -9,14 +9,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from narwhal.config import parse_config
+from narwhal.config.root import parse_config
+from narwhal.config.tracing import TracingSettings
+from narwhal.observe.tracing import Tracing
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.protocol.tracecontext import parse_traceparent
 from narwhal.router.call import Call, Stage
 from narwhal.router.pipeline import _start_tracing
-from narwhal.router.tracing import Tracing
-from narwhal.tracing_config import TracingSettings
 
 CONFIG = parse_config(
     {

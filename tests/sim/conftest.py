@@ -11,8 +11,8 @@ import aiohttp
 import orjson
 import pytest
 
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.options import SimOptions
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.options import SimOptions
 
 FAST = SimOptions(
     inter_token_s=0.0,

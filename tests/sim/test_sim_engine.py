@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 from openai.types.chat import ChatCompletionMessageParam
 
-from narwhal.sim.engine import SimEngine
+from narwhal.tools.sim.engine import SimEngine
 
 if TYPE_CHECKING:
     from sim.conftest import Sim

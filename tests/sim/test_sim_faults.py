@@ -10,9 +10,9 @@ import aiohttp
 import orjson
 import pytest
 
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.faults import ArmedFaults, Fault, FaultError
-from narwhal.sim.options import SimOptions
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.faults import ArmedFaults, Fault, FaultError
+from narwhal.tools.sim.options import SimOptions
 
 if TYPE_CHECKING:
     from sim.conftest import Sim

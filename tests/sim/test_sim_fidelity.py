@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from fidelity import CASES, Case, capture, differences, load
-from narwhal.sim.engine import SimEngine
+from narwhal.tools.sim.engine import SimEngine
 from sim.conftest import FAST
 
 RECORDINGS = load()

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from narwhal.protocol.descriptor import prefill_request_params
-from narwhal.sim.engine import SimEngine
-from narwhal.sim.model import tokenize
+from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.model import tokenize
 
 if TYPE_CHECKING:
     from sim.conftest import Sim, Stream

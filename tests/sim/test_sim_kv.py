@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from narwhal.sim.kv import (
+from narwhal.tools.sim.kv import (
     HeldBlocks,
     PrefixCache,
     PullError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.sim.model import VOCAB, VOCAB_SIZE, Generation, Sampling, chat_prompt, tokenize
+from narwhal.tools.sim.model import VOCAB, VOCAB_SIZE, Generation, Sampling, chat_prompt, tokenize
 
 PROMPT = tokenize("Where do narwhals go in winter?")
 

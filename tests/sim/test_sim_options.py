@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from narwhal.sim.faults import Fault
-from narwhal.sim.options import SimOptions, add_sim_arguments, options_from_args
+from narwhal.tools.sim.faults import Fault
+from narwhal.tools.sim.options import SimOptions, add_sim_arguments, options_from_args
 
 
 def _parse(*argv: str) -> SimOptions:

@@ -6,9 +6,20 @@ import argparse
 
 import pytest
 
-from narwhal.sim.options import SimOptions, add_sim_arguments, options_from_args, profile_options
-from narwhal.sim.profiles import LLAMA_3_1_8B, LLAMA_3_1_70B, PROFILE_FIELDS, PROFILES, profile
-from narwhal.sim.timing import StepPlan, step_seconds
+from narwhal.tools.sim.options import (
+    SimOptions,
+    add_sim_arguments,
+    options_from_args,
+    profile_options,
+)
+from narwhal.tools.sim.profiles import (
+    LLAMA_3_1_8B,
+    LLAMA_3_1_70B,
+    PROFILE_FIELDS,
+    PROFILES,
+    profile,
+)
+from narwhal.tools.sim.timing import StepPlan, step_seconds
 
 
 def _parse(*argv: str) -> SimOptions:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from narwhal.sim.scheduler import Scheduler
+from narwhal.tools.sim.scheduler import Scheduler
 
 
 async def test_seats_beyond_max_num_seqs_wait_in_order() -> None:

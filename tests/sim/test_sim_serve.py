@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from narwhal.sim.fleet import SimFleet
-from narwhal.sim.options import SimOptions
-from narwhal.sim.serve import CRASH_EXIT_CODE
+from narwhal.tools.sim.fleet import SimFleet
+from narwhal.tools.sim.options import SimOptions
+from narwhal.tools.sim.serve import CRASH_EXIT_CODE
 
 if TYPE_CHECKING:
     from sim.conftest import Sim

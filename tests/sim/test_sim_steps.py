@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from narwhal.sim.steps import StepLoop
-from narwhal.sim.timing import StepCosts
+from narwhal.tools.sim.steps import StepLoop
+from narwhal.tools.sim.timing import StepCosts
 
 TINY = StepCosts(prefill_s_per_token=1e-6, inter_token_s=1e-4, max_num_batched_tokens=100)
 

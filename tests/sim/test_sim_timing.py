@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from narwhal.sim.timing import PullCosts, StepCosts, StepPlan, plan_step, pull_seconds, step_seconds
+from narwhal.tools.sim.timing import (
+    PullCosts,
+    StepCosts,
+    StepPlan,
+    plan_step,
+    pull_seconds,
+    step_seconds,
+)
 
 COSTS = StepCosts(
     step_overhead_s=0.001,

@@ -3,7 +3,7 @@ and generated so that a prompt P + G goes on exactly as P did after G."""
 
 from __future__ import annotations
 
-from narwhal.sim.model import Generation, Sampling, tokenize
+from narwhal.tools.sim.model import Generation, Sampling, tokenize
 from support import CHAT, COMPLETION, StackFactory, sse_payloads
 
 

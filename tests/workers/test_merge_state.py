@@ -73,7 +73,7 @@ def snapshot(in_flight: int, engines: list[dict[str, Any]], p90: float | None) -
 def placement(
     indexed: dict[str, int], steered: int = 0, feed: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A worker's placement view, as `router.state` shows it."""
+    """A worker's placement view, as `observe.state` shows it."""
     return {
         "policy": "prefix",
         "steered": {"prefill": steered, "decode": 0},

@@ -42,7 +42,7 @@ from narwhal.protocol.sse import (
     SseEvent,
     classify,
 )
-from narwhal.timeouts import clock
+from narwhal.runtime.clock import clock
 
 MAX_PREFILL_ANSWER_BYTES = 8 << 20
 # Events before the first token are held for the client, none dropped; an engine that

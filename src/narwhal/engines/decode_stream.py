@@ -22,7 +22,7 @@ from narwhal.protocol.sse import (
     classify,
     classify_after_first_output,
 )
-from narwhal.timeouts import Clock, clock
+from narwhal.runtime.clock import Clock, clock
 
 T = TypeVar("T")
 # How the usual stream ends, LF-framed; its `[DONE]` wakes a bulk read.

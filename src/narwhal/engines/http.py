@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from narwhal.timeouts import clock
+from narwhal.runtime.clock import clock
 
 # vLLM closes idle keep-alive connections after 5 s; stop reusing ours a little before.
 KEEPALIVE_S = 4.0

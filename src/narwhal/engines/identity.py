@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from narwhal.engine_spec import EngineContract, EngineSpec
+from narwhal.config.engine_spec import EngineContract, EngineSpec
 from narwhal.engines.connector import NIXL_CONNECTOR
 
 _START_TIME = re.compile(rb"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)

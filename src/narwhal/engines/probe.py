@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.engine_spec import EngineSpec
+from narwhal.config.engine_spec import EngineSpec
 from narwhal.engines.client import EngineClient
 from narwhal.engines.decode_stream import stream_payloads
 from narwhal.protocol.bodies import Endpoint

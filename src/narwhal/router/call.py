@@ -18,7 +18,7 @@ from narwhal.router.abandoned import Abandonment, journal_field
 
 if TYPE_CHECKING:
     # Only for its type: the tracing library is imported when tracing is on, not here.
-    from narwhal.router.tracing import RequestTrace
+    from narwhal.observe.tracing import RequestTrace
 
 # The status recorded for a client that went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.continuation_config import ContinuationConfig
+from narwhal.config.continuation import ContinuationConfig
 from narwhal.protocol.bodies import ClientRequest, Endpoint
 from narwhal.router.call import Call
 from narwhal.router.progress import Progress

@@ -15,17 +15,32 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from narwhal.config import Config
+from narwhal.config.root import Config
+from narwhal.config.secrets import Secrets
+from narwhal.config.tracing import resolve_tracing
+from narwhal.control.loop import ControlLoop
+from narwhal.control.phase_latency import PhaseLatency
 from narwhal.engines.client import EngineClient, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.kv_events import KvEventFeeds
+from narwhal.fleet.breaker import Breaker
+from narwhal.fleet.discovery import FleetDiscovery
+from narwhal.fleet.engine_reports import EngineReports
+from narwhal.fleet.operations import FleetOperations
+from narwhal.fleet.readmission import Readmission
+from narwhal.fleet.seat_share import SeatShare
+from narwhal.fleet.table import EngineEvent, Fleet, Phase, Reservation
+from narwhal.observe.events import engine_entry, log_call, log_engine_event
+from narwhal.observe.journal import Journal
+from narwhal.observe.metrics import RouterMetrics
+from narwhal.observe.recent import RecentCalls
+from narwhal.observe.state import snapshot
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
-from narwhal.router.breaker import Breaker
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, Stage
 from narwhal.router.continuation import (
@@ -34,29 +49,14 @@ from narwhal.router.continuation import (
     tracker,
     with_token_ids,
 )
-from narwhal.router.control_loop import ControlLoop
-from narwhal.router.discovery import FleetDiscovery
-from narwhal.router.engine_reports import EngineReports
-from narwhal.router.events import engine_entry, log_call, log_engine_event
-from narwhal.router.fleet import EngineEvent, Fleet, Phase, Reservation
-from narwhal.router.journal import Journal
-from narwhal.router.metrics import RouterMetrics
-from narwhal.router.operations import FleetOperations
-from narwhal.router.phase_latency import PhaseLatency
-from narwhal.router.readmission import Readmission
-from narwhal.router.recent import RecentCalls
 from narwhal.router.releases import Releases
 from narwhal.router.reply import Reply
 from narwhal.router.rescue import Rescue
 from narwhal.router.respond import answer_error, collect, relay
-from narwhal.router.seat_share import SeatShare
-from narwhal.router.state import snapshot
-from narwhal.secrets import Secrets
-from narwhal.timeouts import clock
-from narwhal.tracing_config import resolve_tracing
+from narwhal.runtime.clock import clock
 
 if TYPE_CHECKING:
-    from narwhal.router.tracing import Tracing
+    from narwhal.observe.tracing import Tracing
 
 
 def shutting_down() -> NarwhalError:
@@ -201,7 +201,7 @@ class Router:
         self.journal.record(engine_entry(event))
 
     def state(self) -> dict[str, Any]:
-        """What `/narwhal/state` shows (see `router.state`)."""
+        """What `/narwhal/state` shows (see `observe.state`)."""
         return snapshot(self)
 
     # The request path --------------------------------------------------------------
@@ -529,6 +529,6 @@ def _start_tracing(config: Config) -> Tracing | None:
     settings = resolve_tracing(config.tracing, os.environ)
     if settings is None:
         return None
-    from narwhal.router.tracing import Tracing
+    from narwhal.observe.tracing import Tracing
 
     return Tracing.start(settings, config.model)

@@ -2,7 +2,7 @@
 answer out (an event stream, or a whole response).
 
 Two servers carry client requests: aiohttp for every route (`AiohttpReply`), and the fast
-lane for the two OpenAI routes in their usual form (`router.front`). The request path
+lane for the two OpenAI routes in their usual form (`http.front`). The request path
 writes through this interface alone, so both answer alike.
 """
 
@@ -15,7 +15,7 @@ from typing import Protocol
 from aiohttp import web
 
 from narwhal.protocol.errors import NarwhalError, client_error
-from narwhal.timeouts import clock
+from narwhal.runtime.clock import clock
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",

@@ -14,6 +14,7 @@ import orjson
 
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
+from narwhal.fleet.table import Reservation
 from narwhal.protocol.bodies import ClientRequest, Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseError, block_payloads
@@ -31,7 +32,6 @@ from narwhal.router.continuation import (
     rescued_event,
     usage_chunk,
 )
-from narwhal.router.fleet import Reservation
 from narwhal.router.progress import Progress
 from narwhal.router.reply import Reply
 from narwhal.router.respond import DONE_EVENT, completion_tokens, stream_headers

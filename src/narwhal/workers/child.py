@@ -14,12 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from narwhal import runtime
-from narwhal.config import ConfigError, load_config
-from narwhal.router.app import RouterServer, reload_signal, stop_signal
-from narwhal.router.events import configure_logging
-from narwhal.router.seat_share import SeatShare
-from narwhal.secrets import SecretsError, load_secrets
+from narwhal.config.root import ConfigError, load_config
+from narwhal.config.secrets import SecretsError, load_secrets
+from narwhal.fleet.seat_share import SeatShare
+from narwhal.http.app import RouterServer, reload_signal, stop_signal
+from narwhal.observe.events import configure_logging
+from narwhal.runtime import main as runtime
 from narwhal.workers.fanout import fan_out
 from narwhal.workers.ledger import Ledger, ledger_path
 from narwhal.workers.listener import shared_listener

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from narwhal.config import Config
-from narwhal.router.app import stop_signal
-from narwhal.router.journal import Journal
+from narwhal.config.root import Config
+from narwhal.http.app import stop_signal
+from narwhal.observe.journal import Journal
 from narwhal.workers.ledger import ledger_path, unfinished
 from narwhal.workers.listener import shared_listener
 from narwhal.workers.status import SlotStatus, peer_socket, retire_snapshot, write_status

@@ -1,0 +1,268 @@
+"""The OpenAI request bodies an engine accepts, validated into one value, and its error shapes.
+
+Validation follows vLLM: a bad field or too long a prompt is a 400, a wrong model a 404,
+unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+
+from narwhal.tools.sim.faults import Phase
+from narwhal.tools.sim.model import VOCAB_SIZE, Sampling, chat_prompt, tokenize
+
+Route = Literal["completions", "chat"]
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client, with the HTTP status it has."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def to_json(self) -> dict[str, object]:
+        """The newer vLLM error shape; `code` is the HTTP status."""
+        kind = _ERROR_TYPES.get(
+            self.status, "InternalServerError" if self.status >= 500 else "BadRequestError"
+        )
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One completions or chat request, checked against the engine's limits."""
+
+    route: Route
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    kv_transfer_params: Mapping[str, object] | None
+    # `return_token_ids`: the prompt's ids once and each event's generated ids.
+    return_token_ids: bool = False
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prefill leg: compute the prompt, hold its blocks for a remote decode."""
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_decode"))
+
+    @property
+    def is_remote_decode(self) -> bool:
+        """A decode leg whose prompt blocks are pulled from a producer."""
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_prefill"))
+
+    @property
+    def phase(self) -> Phase:
+        return "prefill" if self.is_prefill else "decode"
+
+
+def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -> InferenceRequest:
+    """Validate a request body; raises ApiError (400, or 404 for another model)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    requested_model = body.get("model")
+    if requested_model is not None and requested_model != model:
+        raise ApiError(404, f"The model `{requested_model}` does not exist.", "model")
+    max_tokens_field = "max_tokens"
+    if route == "chat":
+        prompt_tokens = tokenize(chat_prompt(_messages(body)))
+        max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        else:
+            max_tokens_field = "max_completion_tokens"
+    else:
+        prompt_tokens = _prompt_tokens(body)
+        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    if not prompt_tokens:
+        raise ApiError(400, "The prompt cannot be empty.", "prompt")
+    max_tokens = _bounded_max_tokens(
+        max_tokens, max_tokens_field, len(prompt_tokens), max_model_len
+    )
+    for name in ("n", "best_of"):
+        count = _optional_int(body, name, minimum=1)
+        if count is not None and count > 1:
+            raise ApiError(400, f"{name} > 1 is not supported by this engine.", name)
+    min_tokens = _optional_int(body, "min_tokens", minimum=0) or 0
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must be <= max_tokens", "min_tokens")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be a boolean", "stream")
+    return InferenceRequest(
+        route=route,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=_include_usage(body, stream),
+        kv_transfer_params=_kv_transfer_params(body),
+        return_token_ids=_return_token_ids(body),
+    )
+
+
+def _bounded_max_tokens(
+    max_tokens: int | None, field: str, prompt_tokens: int, max_model_len: int
+) -> int:
+    """The output cap, as vLLM 0.32 decides it: only a cap or a prompt that alone exceeds
+    the context is refused; otherwise the cap shrinks to the context left."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter={field}, value={max_tokens})",
+            field,
+        )
+    if prompt_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={prompt_tokens})",
+            "input_tokens",
+        )
+    left = max_model_len - prompt_tokens
+    return left if max_tokens is None else min(max_tokens, left)
+
+
+def _messages(body: dict[str, object]) -> list[dict[str, object]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    rendered = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "each message needs a string role", "messages")
+        rendered.append({"role": message["role"], "content": _content(message.get("content"))})
+    return rendered
+
+
+def _content(content: object) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict)]
+        if len(parts) == len(content) and all(isinstance(text, str) for text in parts):
+            return "".join(text for text in parts if isinstance(text, str))
+    raise ApiError(400, "message content must be a string or a list of text parts", "messages")
+
+
+def _prompt_tokens(body: dict[str, object]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(token, int) and not isinstance(token, bool) for token in prompt
+    ):
+        if any(not 0 <= token < VOCAB_SIZE for token in prompt):
+            raise ApiError(400, f"Token id out of vocabulary (size {VOCAB_SIZE})", "prompt")
+        return list(prompt)
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt)", "prompt")
+
+
+def _optional_int(body: dict[str, object], name: str, *, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ApiError(400, f"{name} must be an integer >= {minimum}, got {value!r}", name)
+    return value
+
+
+def _sampling(body: dict[str, object]) -> Sampling:
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
+        raise ApiError(
+            400, f"temperature must be a number >= 0, got {temperature!r}", "temperature"
+        )
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise ApiError(400, "seed must fit in 64 bits", "seed")
+    return Sampling(temperature=float(temperature), seed=seed or 0)
+
+
+def _stop(body: dict[str, object]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(item, str) for item in stop):
+        return tuple(item for item in stop if isinstance(item, str))
+    raise ApiError(400, "stop must be a string or a list of strings", "stop")
+
+
+def _include_usage(body: dict[str, object], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if not options:
+        # vLLM 0.32 refuses only stream options that are set (an empty object is not).
+        if options is not None and not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+        return False
+    if not stream:
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    include_usage = options.get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
+    return include_usage
+
+
+def _return_token_ids(body: dict[str, object]) -> bool:
+    value = body.get("return_token_ids")
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, "return_token_ids must be a boolean", "return_token_ids")
+    return bool(value)
+
+
+def _kv_transfer_params(body: dict[str, object]) -> Mapping[str, object] | None:
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    return params
