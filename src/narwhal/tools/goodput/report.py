@@ -19,7 +19,7 @@ def _ms(value: float | None) -> str:
 def table(results: Mapping[int, Mapping[str, PhaseStats]], engines: int) -> str:
     """One row per split and phase: goodput, then TTFT and TPOT p50/p90/p99 in ms."""
     header = (
-        f"{'split':>6} {'phase':<21} {'reqs':>5} {'good':>5} {'tools/goodput/s':>9}  "
+        f"{'split':>6} {'phase':<21} {'reqs':>5} {'good':>5} {'goodput/s':>9}  "
         f"{'TTFT p50/p90/p99 ms':>21}  {'TPOT p50/p90/p99 ms':>19}"
     )
     lines = [header, "-" * len(header)]
@@ -136,7 +136,7 @@ def controller_table(
     split's goodput."""
     start = doc["start"]
     header = (
-        f"{'phase':<21} {'reqs':>5} {'good':>5} {'tools/goodput/s':>9}  {'TTFT p50/p99 ms':>15}  "
+        f"{'phase':<21} {'reqs':>5} {'good':>5} {'goodput/s':>9}  {'TTFT p50/p99 ms':>15}  "
         f"{'TPOT p50/p99':>12}  {'best static':>18}  {'ratio':>5}"
     )
     lines = [
