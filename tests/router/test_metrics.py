@@ -14,12 +14,13 @@ from narwhal.config.root import parse_config
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.handoff import DescriptorRejected
 from narwhal.observe.events import JsonFormatter, log_call
-from narwhal.observe.recent import RecentCalls, nearest_rank, percentiles
+from narwhal.observe.recent import RecentCalls, percentiles
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.descriptor import Defect
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.call import Call, Stage
 from narwhal.router.pipeline import Router
+from narwhal.runtime.ranks import nearest_rank
 
 
 def router() -> Router:

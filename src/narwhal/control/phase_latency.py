@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from narwhal.observe.recent import nearest_rank
+from narwhal.runtime.ranks import nearest_rank
 
 if TYPE_CHECKING:
     from narwhal.router.call import Call

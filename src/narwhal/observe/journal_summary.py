@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from narwhal.observe.recent import nearest_rank
+from narwhal.runtime.ranks import nearest_rank
 
 LATENCIES = (
     ("ttft_s", "ttft"),

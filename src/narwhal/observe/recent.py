@@ -10,6 +10,8 @@ import math
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
+from narwhal.runtime.ranks import nearest_rank
+
 if TYPE_CHECKING:
     from narwhal.router.call import Call
 
@@ -85,9 +87,3 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
         return None
     ordered = sorted(values)
     return {f"p{q}": round(nearest_rank(ordered, q), 4) for q in (50, 90, 99)}
-
-
-def nearest_rank(ordered: list[float], q: float) -> float:
-    """The smallest value with at least q% of the values at or below it."""
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
