@@ -10,20 +10,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.router.abandoned import Abandonment, journal_field
 
-if TYPE_CHECKING:
-    # Only for its type: the tracing library is imported when tracing is on, not here.
-    from narwhal.observe.tracing import RequestTrace
-
 # The status recorded for a client that went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499
 # Handoff kinds in which the prompt's prefill ran on another engine than the decode.
 _CROSSED = frozenset({"crossed", "recomputed"})
+
+
+class CallTrace(Protocol):
+    """A request's spans as the request path tells them (`observe.tracing.RequestTrace`)."""
+
+    def enter(self, call: Call, stage: Stage, now: float) -> None: ...
+
+    def attempt_failed(self, call: Call, error: NarwhalError, now: float) -> None: ...
+
+    def leg_headers(self) -> bytes: ...
+
+    def end(self, call: Call, now: float) -> None: ...
 
 
 class Stage(StrEnum):
@@ -78,7 +86,7 @@ class Call:
     stage_at: float = field(init=False)
     # With tracing on, the request's spans, told of each stage; with it off, the client's
     # own trace context as header lines for the engine legs (b"" if it sent none).
-    trace: RequestTrace | None = None
+    trace: CallTrace | None = None
     trace_lines: bytes = b""
     # Stream continuation: replays sent after a consumer failed mid-answer, the generated
     # tokens they prefilled again, the seconds from the failure to each replay's first
