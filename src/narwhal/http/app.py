@@ -18,12 +18,12 @@ from narwhal.config.root import Config
 from narwhal.config.secrets import Secrets, bearer_allowed
 from narwhal.fleet.seat_share import SeatShare
 from narwhal.http.admin import add_admin_routes
+from narwhal.http.aiohttp_reply import AiohttpReply
 from narwhal.http.front import Front
 from narwhal.http.page import add_page_routes
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.pipeline import Router
-from narwhal.router.reply import AiohttpReply
 
 if TYPE_CHECKING:
     from narwhal.observe.tracing import Tracing
