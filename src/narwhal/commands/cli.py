@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ if TYPE_CHECKING:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from narwhal.config.environment import admin_key
     from narwhal.tools.goodput.command import add_goodput_arguments
     from narwhal.tools.sim.options import add_sim_arguments
 
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
     top.add_argument(
         "--admin-key",
-        default=os.environ.get("NARWHAL_ADMIN_KEY"),
+        default=admin_key(),
         help="admin key, when the router has server.admin_api_keys (or NARWHAL_ADMIN_KEY)",
     )
     top.add_argument("--interval", type=_span, default=1.0, help="seconds between refreshes")

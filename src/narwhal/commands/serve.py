@@ -6,7 +6,6 @@ list (`fleet.operations`); `narwhal reload` asks for the same over the admin API
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ async def run_serve(
         print(error.report(), file=sys.stderr)
         return 2
     try:
-        secrets = load_secrets(config, os.environ)
+        secrets = load_secrets(config)
     except SecretsError as error:
         print(f"{path}: {error}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """Credentials, read once at start-up from the environment variables the config names.
 
-This is the one place that reads the environment. Keys are compared in constant time and
-never logged, journaled or forwarded: client keys stay at the router, and engines get only
-the engine key.
+They are read through `config.environment`, the one module that reads the environment. Keys
+are compared in constant time and never logged, journaled or forwarded: client keys stay at
+the router, and engines get only the engine key.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from narwhal.config.environment import process_environment
 from narwhal.config.root import Config
 
 
@@ -28,7 +29,10 @@ class Secrets:
         return {"Authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
 
 
-def load_secrets(config: Config, environ: Mapping[str, str]) -> Secrets:
+def load_secrets(config: Config, environ: Mapping[str, str] | None = None) -> Secrets:
+    """The credentials `config` names, from `environ` (by default this process's environment)."""
+    if environ is None:
+        environ = process_environment()
     client = list(config.server.api_keys) + _keys(
         environ, "api_keys_env", config.server.api_keys_env
     )

@@ -7,7 +7,6 @@ runs the same checks before it listens (unless `--skip-preflight`).
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,7 +195,7 @@ def format_report(rows: list[Row]) -> str:
 async def check_command(path: Path, mesh: bool) -> int:
     try:
         config = load_config(path)
-        secrets = load_secrets(config, os.environ)
+        secrets = load_secrets(config)
     except ConfigError as error:
         print(error.report(), file=sys.stderr)
         return 2

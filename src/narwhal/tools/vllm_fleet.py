@@ -26,6 +26,8 @@ from types import TracebackType
 
 import aiohttp
 
+from narwhal.config.environment import child_environment
+
 # The NixlConnector's role per Narwhal role. 0.32 still accepts kv_both for every engine but
 # logs it as deprecated; an engine that does both jobs has no other choice.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -117,18 +119,19 @@ class VllmEngine:
 
     def environment(self) -> dict[str, str]:
         """The parent's environment (PATH, locale) plus what pins the engine to loopback."""
-        return {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": str(self.options.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
-            "UCX_NET_DEVICES": "lo",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
+        return child_environment(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(self.options.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+                "UCX_NET_DEVICES": "lo",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        )
 
     async def start(self) -> None:
         """Launch and return once /health answers 200; on failure nothing is left running."""

@@ -60,7 +60,7 @@ async def run_worker(
     """Serve as worker `worker` of `count` until SIGTERM; the exit status."""
     try:
         config = load_config(path)
-        secrets = load_secrets(config, os.environ)
+        secrets = load_secrets(config)
     except (ConfigError, SecretsError) as error:
         print(f"worker {worker}: {path}: {error}", file=sys.stderr)
         return 2
