@@ -13,12 +13,12 @@ from narwhal.config.table import Table
 
 @dataclass(frozen=True, slots=True)
 class ContinuationConfig:
-    """`[continuation]` with its defaults (see the README's "Stream continuation")."""
+    """`[continuation]` with its defaults (see docs/continuation.md)."""
 
     # Off by default: tracking keeps references to relayed bytes and reads them only after a
     # failure, but splicing out the ids still adds some 13 % to the router's CPU per
-    # request, measured, over the 10 % that would make it the default (README, "Stream
-    # continuation").
+    # request, measured, over the 10 % that would make it the default (docs/continuation.md,
+    # "Cost, and why it is off by default").
     enabled: bool = False
     # Continuations one request may use (each a fresh prefill, handoff and decode).
     max_attempts: int = 2

@@ -38,7 +38,7 @@ class Scheme(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
-    """`[discovery]` with its defaults (README, "Kubernetes discovery")."""
+    """`[discovery]` with its defaults (docs/deployment.md, "Kubernetes discovery")."""
 
     enabled: bool = False
     # The only source so far; named so that a file says what it relies on.

@@ -17,8 +17,8 @@ from narwhal.config.table import Table, show
 
 
 class Policy(StrEnum):
-    # Expected cached prefix against load, within a load bound (the default: measured in the
-    # README, "Cache-aware placement").
+    # Expected cached prefix against load, within a load bound (the default: measured in
+    # docs/operations.md, "Cache-aware placement").
     PREFIX = "prefix"
     # Power of two choices over the load estimate alone.
     P2C = "p2c"
@@ -31,7 +31,7 @@ _ENDPOINT = re.compile(r"(tcp|ipc)://\S+")
 
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
-    """`[placement]` with its defaults (see the README's "Cache-aware placement")."""
+    """`[placement]` with its defaults (see docs/operations.md, "Cache-aware placement")."""
 
     policy: Policy = Policy.PREFIX
     # An engine may take a request while its share of the recent placements is at most
