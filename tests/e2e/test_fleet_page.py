@@ -13,6 +13,7 @@ from playwright.async_api import Browser, Dialog, Error, Page, async_playwright,
 
 from narwhal.config.secrets import Secrets
 from narwhal.control.controller import Observation, PhaseLoad
+from narwhal.fleet.lifecycle import Event
 from narwhal.http.page import ASSET_TYPES
 from support import COMPLETION, Stack, StackFactory, arm
 
@@ -96,16 +97,17 @@ async def test_the_page_shows_the_fleet_and_follows_quarantine_and_ejection(
         )
         await expect(page.locator("#status")).to_contain_text("degraded: 1 of 4 engines out")
 
-        # An ejection, set on the router's own fleet, with its reason.
+        # An ejection, set on the router's own fleet (behind its listeners' backs), with
+        # its reason.
         d1 = stack.server.router.fleet.by_id["d1"]
-        d1.ejected = True
+        d1.lifecycle.apply(Event.EJECT, lambda _: None)
         d1.ejection_reason = "3 consecutive failures; last: silence: <b>went quiet</b>"
         card = page.locator('[data-engine="d1"]')
         await expect(card.locator('[data-field="state"]')).to_have_text("ejected", timeout=LIVE_MS)
         # Shown as text, never as markup.
         await expect(card.locator('[data-field="reason"]')).to_have_text(d1.ejection_reason)
         await expect(page.locator("#status")).to_contain_text("2 of 4 engines out")
-        d1.ejected = False
+        d1.lifecycle.apply(Event.READMIT, lambda _: None)
         await expect(card.locator('[data-field="state"]')).to_have_text("admitted", timeout=LIVE_MS)
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from narwhal.engines.probe import PROBE_PROMPT
+from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.readmission import Verdict
 from narwhal.fleet.table import Engine
 from narwhal.protocol.errors import Cause, engine_error
@@ -121,7 +122,8 @@ async def test_an_engine_that_still_fails_stays_out(make_stack: StackFactory) ->
 async def test_a_probe_without_its_producer_is_inconclusive(make_stack: StackFactory) -> None:
     async with make_stack(recovery=QUICK) as stack:
         await fail_decodes(stack, "d0", 2)
-        stack.server.router.fleet.by_id["p0"].ejected = True
+        # Ejected behind the listeners' backs: readmission finds it at its next tick.
+        stack.server.router.fleet.by_id["p0"].lifecycle.apply(Event.EJECT, lambda _: None)
         await stack.engine("p0").crash()
         await asyncio.sleep(0.5)
         d0 = await engine_state(stack, "d0", "ejected")

@@ -13,6 +13,7 @@ from narwhal.config.discovery import DiscoveryConfig
 from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.config.root import Config
 from narwhal.fleet.discovery import SOURCE, FleetDiscovery
+from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.table import EngineEvent, Fleet
 
@@ -38,6 +39,10 @@ class World:
     def gone(self, name: str) -> None:
         del self.pods[name]
         self.discovery.pods_changed(self.pods)
+
+    def probed(self, engine: str) -> None:
+        """Readmission let the new engine in."""
+        self.fleet.by_id[engine].lifecycle.apply(Event.READMIT, self.fleet.emit)
 
     def kinds(self, engine: str) -> list[str]:
         return [e.kind for e in self.events if e.engine == engine]
@@ -65,12 +70,12 @@ async def test_ready_pods_join_as_discovered_engines_judged_before_work() -> Non
 async def test_an_unready_pod_drains_and_ready_again_undrains() -> None:
     world = World()
     world.show(pod("d0", 8200, "decode", ip="10.0.1.1"))
-    world.fleet.by_id["d0"].ejected = False
+    world.probed("d0")
     world.show(unready(pod("d0", 8200, "decode", ip="10.0.1.1")))
     assert world.state("d0") == "drained"
     world.show(pod("d0", 8200, "decode", ip="10.0.1.1"))
     assert world.state("d0") == "admitted"
-    assert world.kinds("d0") == ["added", "draining", "drained", "readmitted"]
+    assert world.kinds("d0") == ["added", "readmitted", "draining", "drained", "readmitted"]
 
 
 async def test_an_operators_drain_stands_while_the_pod_is_ready() -> None:
@@ -86,7 +91,7 @@ async def test_a_deleted_pods_engine_finishes_its_requests_then_goes() -> None:
     world = World()
     world.show(pod("d0", 8200, "decode", ip="10.0.1.1"))
     engine = world.fleet.by_id["d0"]
-    engine.ejected = False
+    world.probed("d0")
     engine.decode_seats = 1  # a request still streaming there
     world.gone("d0")
     assert world.state("d0") == "draining"

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from narwhal.config.root import parse_config
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.handoff import DescriptorRejected
+from narwhal.fleet.lifecycle import Event
 from narwhal.observe.events import JsonFormatter, log_call
 from narwhal.observe.recent import RecentCalls, percentiles
 from narwhal.protocol.bodies import Endpoint
@@ -173,7 +174,8 @@ async def test_one_finished_call_moves_its_request_metrics() -> None:
 async def test_engine_metrics_are_read_from_the_engines_when_scraped() -> None:
     the_router = router()
     d0 = the_router.fleet.by_id["d0"]
-    d0.ejected, d0.streak, d0.ejections = True, 3, 1
+    d0.lifecycle.apply(Event.EJECT, lambda _: None)
+    d0.streak, d0.ejections = 3, 1
     d0.failures["silence"] = 3
     d0.probes["failure"] = 2
     d0.decode_seats = 5

@@ -12,6 +12,7 @@ from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.config.root import Config, RecoveryConfig, RestartPolicy
 from narwhal.engines.client import EngineClient
 from narwhal.fleet.breaker import Breaker
+from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.operations import FleetOperations, OperationError, floor_breach
 from narwhal.fleet.readmission import FAILURE, SUCCESS, Readmission, Verdict
 from narwhal.fleet.table import NOT_YET_PROBED, Engine, EngineEvent, Fleet, Phase
@@ -40,6 +41,14 @@ class Ops:
 
     def state(self, engine: str) -> str:
         return self.fleet.by_id[engine].state(asyncio.get_running_loop().time()).value
+
+    def eject(self, engine: str) -> None:
+        """As the breaker would (its `ejected` event included)."""
+        self.fleet.by_id[engine].lifecycle.apply(Event.EJECT, self.fleet.emit, "by the test")
+
+    def readmit(self, engine: str) -> None:
+        """As readmission would."""
+        self.fleet.by_id[engine].lifecycle.apply(Event.READMIT, self.fleet.emit)
 
 
 def refused(status: int, action: Any, *args: Any, **kwargs: Any) -> OperationError:
@@ -93,9 +102,9 @@ async def test_draining_the_last_engine_of_a_phase_is_refused_unless_forced(
 
 async def test_an_ejected_or_drained_peer_does_not_hold_the_floor_a_quarantined_one_does() -> None:
     t = Ops()
-    t.fleet.by_id["d1"].ejected = True
+    t.eject("d1")
     refused(409, t.ops.drain, "d0")
-    t.fleet.by_id["d1"].ejected = False
+    t.readmit("d1")
     t.ops.drain("d1")
     refused(409, t.ops.drain, "d0")
     t.ops.readmit("d1")
@@ -137,7 +146,7 @@ async def test_readmit_ends_a_drain_and_only_a_drain() -> None:
 
 async def test_readmitting_a_drained_ejected_engine_leaves_it_to_readmission() -> None:
     t = Ops()
-    t.fleet.by_id["d0"].ejected = True
+    t.eject("d0")
     t.ops.drain("d0", force=True)
     t.ops.readmit("d0")
     assert t.state("d0") == "ejected"
@@ -309,12 +318,12 @@ async def test_readmission_never_judges_a_drained_engine_nor_pairs_with_one() ->
 
         readmission.judge = judge  # type: ignore[method-assign]
         d0 = t.fleet.by_id["d0"]
-        d0.ejected = True
+        t.eject("d0")
         t.ops.drain("d0", force=True)
         assert not readmission.urgent()
         await readmission.tick()
         assert judged == [] and d0.ejected and t.state("d0") == "drained"
-        t.fleet.by_id["d1"].ejected = True
+        t.eject("d1")
         assert readmission._partners(Phase.DECODE, t.fleet.by_id["p0"]) == [t.fleet.by_id["d1"]]
 
 
@@ -324,8 +333,7 @@ async def test_a_drained_member_leaves_its_restart_wave() -> None:
     async with EngineClient() as client:
         readmission = Readmission(config, t.fleet, client)
         for engine in ("d0", "d1"):
-            t.fleet.by_id[engine].ejected = True
-            t.fleet.emit(EngineEvent("ejected", engine))
+            t.eject(engine)
         readmission._passed(t.fleet.by_id["d1"])
         assert t.state("d1") == "held"
         t.ops.drain("d0", force=True)

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import math
 
-from narwhal.fleet.table import Engine, EngineEvent, Fleet, Phase
+from narwhal.fleet.lifecycle import Event
+from narwhal.fleet.table import Engine, Fleet, Phase
 from narwhal.protocol.errors import Cause, NarwhalError
 
 COUNTED = frozenset(
@@ -108,23 +109,20 @@ class Breaker:
             if not engine.spared:
                 engine.spared = True
                 engine.spares += 1
-                self.fleet.emit(
-                    EngineEvent(
-                        "spared",
-                        engine.id,
-                        f"{engine.streak} consecutive failures, but ejecting it would leave "
-                        f"too few {phase} engines (recovery.max_ejected_fraction "
-                        f"{self.max_ejected_fraction:g}); last: {error.cause.value}",
-                    )
+                engine.lifecycle.apply(
+                    Event.SPARE,
+                    self.fleet.emit,
+                    f"{engine.streak} consecutive failures, but ejecting it would leave "
+                    f"too few {phase} engines (recovery.max_ejected_fraction "
+                    f"{self.max_ejected_fraction:g}); last: {error.cause.value}",
                 )
             return False
-        engine.ejected = True
         engine.ejections += 1
         engine.probe_producer = producer if producer != engine.id else None
         engine.ejection_reason = (
             f"{engine.streak} consecutive failures; last: {error.cause.value}: {error.message}"
         )
-        self.fleet.emit(EngineEvent("ejected", engine.id, engine.ejection_reason))
+        engine.lifecycle.apply(Event.EJECT, self.fleet.emit, engine.ejection_reason)
         return True
 
     def _would_empty(self, engine: Engine) -> Phase | None:

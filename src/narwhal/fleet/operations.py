@@ -1,6 +1,7 @@
 """Operators' changes to a live fleet: add, drain, readmit, change and delete engines, and
 reload the config file. Each change is checked here, applied to the `Fleet`, and journaled
-as an engine event; the HTTP surface is `admin`, the reload's difference `reconfigure`.
+as an engine event (an engine's adding, drain, readmit and deletion by its `lifecycle`); the
+HTTP surface is `admin`, the reload's difference `reconfigure`.
 
 An engine's life under an operator:
 
@@ -327,10 +328,7 @@ class FleetOperations:
 
     def add_from(self, source: str, spec: EngineSpec, why: str) -> Engine:
         """A new engine found by `source`; readmission judges it before it takes work."""
-        engine = self.fleet.add(spec)
-        engine.source = source
-        self.fleet.emit(EngineEvent("added", spec.id, f"{_describe(spec)}; {why}"))
-        return engine
+        return self.fleet.add(spec, f"{_describe(spec)}; {why}", source=source)
 
     def drain_for(self, engine: Engine, why: str) -> None:
         """No new work; no phase floor: the source says the engine cannot take it."""
@@ -362,18 +360,15 @@ class FleetOperations:
                 )
 
     def _add(self, spec: EngineSpec, why: str) -> Engine:
-        engine = self.fleet.add(spec)
-        self.fleet.emit(EngineEvent("added", spec.id, f"{_describe(spec)}; {why}"))
-        return engine
+        return self.fleet.add(spec, f"{_describe(spec)}; {why}")
 
     def _drain(self, engine: Engine, why: str) -> None:
-        self.fleet.emit(EngineEvent("draining", engine.id, why))
-        self.fleet.drain(engine)
+        self.fleet.drain(engine, why)
 
     def _undrain(self, engine: Engine, why: str) -> None:
-        self.fleet.undrain(engine)
+        # An undrain leaves an ejection standing (the lifecycle's drain overlays it).
         still = "; still ejected: readmission judges it" if engine.ejected else ""
-        self.fleet.emit(EngineEvent("readmitted", engine.id, why + still))
+        self.fleet.undrain(engine, why + still)
 
     def _change(
         self,
@@ -398,9 +393,8 @@ class FleetOperations:
         self.fleet.seat_freed()  # more seats, or a new phase, may serve waiters
 
     def _remove(self, engine: Engine, why: str) -> None:
-        self.fleet.remove(engine)
         self._removal_why.pop(engine.id, None)
-        self.fleet.emit(EngineEvent("removed", engine.id, why))
+        self.fleet.remove(engine, why)
 
     def _on_event(self, event: EngineEvent) -> None:
         """An engine a reload or a source dropped goes once its last request has finished."""

@@ -46,6 +46,7 @@ from narwhal.engines.identity import (
     read_identity,
 )
 from narwhal.engines.probe import probe_transfer
+from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.table import Engine, EngineEvent, EngineState, Fleet, Phase
 from narwhal.protocol.errors import NarwhalError
 
@@ -90,12 +91,10 @@ class Readmission:
             self._wake.set()
 
     def _leave_wave(self, engine_id: str) -> None:
-        """A drained or removed engine no longer holds its wave back, nor is held by it."""
+        """A drained or removed engine no longer holds its wave back, nor is held by it (its
+        drain made a held engine ejected again underneath: see `lifecycle`)."""
         self.wave.discard(engine_id)
         self.passed.discard(engine_id)
-        engine = self.fleet.by_id.get(engine_id)
-        if engine is not None:
-            engine.held = False
         if self.wave and self.passed >= self.wave:
             for member in sorted(self.wave):
                 self._readmit(self.fleet.by_id[member])
@@ -240,7 +239,7 @@ class Readmission:
             self._readmit(engine)
             return
         self.passed.add(engine.id)
-        engine.held = True
+        engine.lifecycle.apply(Event.PASS, self.fleet.emit)
         if self.passed >= self.wave:
             for member in sorted(self.wave):
                 self._readmit(self.fleet.by_id[member])
@@ -261,14 +260,12 @@ class Readmission:
                     self._readmit(engine)
 
     def _readmit(self, engine: Engine) -> None:
-        engine.ejected = False
-        engine.held = False
         engine.streak = 0
         engine.spared = False
         engine.refusing = False
         engine.mismatched = False
         engine.probe_producer = None
-        self.fleet.emit(EngineEvent("readmitted", engine.id))
+        engine.lifecycle.apply(Event.READMIT, self.fleet.emit)
         self.fleet.seat_freed()
 
 

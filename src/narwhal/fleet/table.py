@@ -28,31 +28,23 @@ import asyncio
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.config.placement import PlacementConfig
 from narwhal.engines.scrape import EngineReport
+from narwhal.fleet.events import EngineEvent as EngineEvent
+from narwhal.fleet.events import EventListener as EventListener
+from narwhal.fleet.lifecycle import EngineState as EngineState
+from narwhal.fleet.lifecycle import Event, Lifecycle
 from narwhal.fleet.placement import Placer, PromptKey
 from narwhal.fleet.seat_share import WHOLE, SeatShare
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.runtime.clock import clock
 
 NOT_YET_PROBED = "added at runtime: waiting for its first probe"
-
-
-class EngineState(StrEnum):
-    ADMITTED = "admitted"
-    QUARANTINED = "quarantined"
-    EJECTED = "ejected"
-    # Passed readmission; waits for the rest of its restart wave.
-    HELD = "held"
-    # Drained by an operator: no new work; requests already there still hold seats.
-    DRAINING = "draining"
-    # Drained by an operator and idle: may be deleted.
-    DRAINED = "drained"
 
 
 class Phase(StrEnum):
@@ -62,14 +54,12 @@ class Phase(StrEnum):
 
 @dataclass(eq=False, slots=True)
 class Engine:
-    """One engine as the router sees it: its spec, its seats in use and its standing."""
+    """One engine as the router sees it: its spec, its seats in use and its standing (its
+    `lifecycle`, which alone changes it)."""
 
     spec: EngineSpec
     prefill_seats: int = 0
     decode_seats: int = 0
-    quarantined_until: float = 0.0
-    ejected: bool = False
-    held: bool = False
     # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
     reported_waiting: float = 0.0
     # Requests on it that other routers (or workers) sent, by its last report.
@@ -102,8 +92,6 @@ class Engine:
     panics: int = 0
     # Readmission probes by result: "success", "failure", "inconclusive".
     probes: dict[str, int] = field(default_factory=dict)
-    # An operator drained it (cleared only by an operator's readmit).
-    draining: bool = False
     # Delete it once drained (a reload dropped it from the config file).
     remove_when_drained: bool = False
     # The role controller never moves it: its role is the operator's to choose.
@@ -116,6 +104,29 @@ class Engine:
     # Where it came from: None for the config file and the admin API, "kubernetes" for
     # discovery. Placement never reads it; reloads and discovery each keep to their own.
     source: str | None = None
+    # Added at runtime: its lifecycle starts `new` (see `Fleet.add`).
+    new: InitVar[bool] = False
+    lifecycle: Lifecycle = field(init=False)
+
+    def __post_init__(self, new: bool) -> None:
+        self.lifecycle = Lifecycle(self.spec.id, new=new)
+
+    @property
+    def ejected(self) -> bool:
+        return self.lifecycle.ejected
+
+    @property
+    def held(self) -> bool:
+        return self.lifecycle.held
+
+    @property
+    def draining(self) -> bool:
+        """An operator (or a source) drained it; cleared only by an undrain."""
+        return self.lifecycle.draining
+
+    @property
+    def quarantined_until(self) -> float:
+        return self.lifecycle.quarantined_until
 
     @property
     def role(self) -> Role:
@@ -135,13 +146,7 @@ class Engine:
         return self.spec.url
 
     def state(self, now: float) -> EngineState:
-        if self.draining:
-            return EngineState.DRAINING if self.busy() else EngineState.DRAINED
-        if self.ejected:
-            return EngineState.HELD if self.held else EngineState.EJECTED
-        if now < self.quarantined_until:
-            return EngineState.QUARANTINED
-        return EngineState.ADMITTED
+        return self.lifecycle.state(now, self.busy())
 
     def serves(self, phase: Phase) -> bool:
         role = self.role
@@ -184,25 +189,6 @@ class Engine:
 
 def _fraction(used: float, limit: int) -> float:
     return used / limit if limit else float(used)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineEvent:
-    """A change in an engine's standing, for the journal, metrics and logs."""
-
-    # "quarantined", "ejected", "spared", "probe", "readmitted", "silent_recompute";
-    # operators' changes: "added", "changed", "draining", "drained", "removed";
-    # the role controller's: "role_change", "role_advice"
-    kind: str
-    engine: str
-    detail: str = ""
-    result: str | None = None  # probes: "success", "failure", "inconclusive"
-    # The role controller's "role_change" and "role_advice": why, and what it measured.
-    reason: str | None = None
-    inputs: Mapping[str, object] | None = field(default=None, compare=False, hash=False)
-
-
-EventListener = Callable[[EngineEvent], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -305,47 +291,57 @@ class Fleet:
         return not (self.admitted(Phase.PREFILL, now) and self.admitted(Phase.DECODE, now))
 
     def quarantine(self, engine: Engine, seconds: float, reason: str) -> None:
-        engine.quarantined_until = max(engine.quarantined_until, _now() + seconds)
+        """Out of placement for `seconds` (a longer quarantine already running stands)."""
+        now = _now()
         engine.quarantines += 1
-        self.emit(EngineEvent("quarantined", engine.id, f"{seconds:g} s after {reason}"))
+        engine.lifecycle.apply(
+            Event.QUARANTINE,
+            self.emit,
+            f"{seconds:g} s after {reason}",
+            now=now,
+            until=now + seconds,
+        )
 
     # Runtime changes (the checks and the journal's wording live in `operations`) -----
 
-    def add(self, spec: EngineSpec) -> Engine:
+    def add(self, spec: EngineSpec, detail: str, *, source: str | None = None) -> Engine:
         """A new engine, out of placement until readmission has judged it as it judges a
         restarted one (health, the pinned contract, a real transfer with a partner): an
-        operator's typo in a url or a model must not cost requests."""
-        engine = _engine(spec, self.share)
-        engine.ejected, engine.ejection_reason = True, NOT_YET_PROBED
+        operator's typo in a url or a model must not cost requests. `detail`: its `added`
+        event's; `source`: see `Engine.source`."""
+        engine = _engine(spec, self.share, new=True)
+        engine.ejection_reason, engine.source = NOT_YET_PROBED, source
         self.engines.append(engine)
         self.by_id[engine.id] = engine
+        engine.lifecycle.apply(Event.JOIN, self.emit, detail)
         return engine
 
-    def remove(self, engine: Engine) -> None:
-        """Forget an engine; the caller made sure no request holds its seats."""
+    def remove(self, engine: Engine, why: str) -> None:
+        """Forget a drained engine; the caller made sure no request holds its seats."""
         self.engines.remove(engine)
         del self.by_id[engine.id]
         self.placer.index.clear(engine.id)
         self._draining.discard(engine)
+        engine.lifecycle.apply(Event.REMOVE, self.emit, why)
 
-    def drain(self, engine: Engine) -> None:
+    def drain(self, engine: Engine, why: str) -> None:
         """No new work for the engine; `drained` is emitted once its seats are free."""
-        engine.draining = True
+        engine.lifecycle.apply(Event.DRAIN, self.emit, why)
         self._draining.add(engine)
         # Waiters that only this engine could serve learn so now, not at their timeout.
         self.seat_freed()
 
-    def undrain(self, engine: Engine) -> None:
+    def undrain(self, engine: Engine, why: str) -> None:
         """Back into placement (unless it is also ejected); waiters may take its seats."""
-        engine.draining = False
         engine.remove_when_drained = False
         self._draining.discard(engine)
+        engine.lifecycle.apply(Event.UNDRAIN, self.emit, why)
         self.seat_freed()
 
     def _note_drained(self) -> None:
         for engine in [e for e in self._draining if not e.busy()]:
             self._draining.discard(engine)
-            self.emit(EngineEvent("drained", engine.id, "its last request finished"))
+            engine.lifecycle.apply(Event.SETTLE, self.emit, "its last request finished")
 
     # Placement ---------------------------------------------------------------------
 
@@ -523,8 +519,8 @@ class Fleet:
             self._waking = False
 
 
-def _engine(spec: EngineSpec, share: SeatShare) -> Engine:
-    return Engine(spec, pinned=spec.pin, acting=spec.start_as, share=share)
+def _engine(spec: EngineSpec, share: SeatShare, *, new: bool = False) -> Engine:
+    return Engine(spec, pinned=spec.pin, acting=spec.start_as, share=share, new=new)
 
 
 def _now() -> float:
