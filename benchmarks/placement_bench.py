@@ -36,10 +36,10 @@ import aiohttp
 import orjson
 from placement_traces import TRACES, Session, build, request_count
 
+from narwhal.app.server import RouterServer
 from narwhal.config.placement import PlacementConfig
 from narwhal.config.root import parse_config
 from narwhal.fleet.placement import Placer, PromptKey
-from narwhal.http.app import RouterServer
 from narwhal.router.call import Call
 from narwhal.runtime import main as runtime
 from narwhal.tools.goodput.score import percentile
@@ -159,7 +159,7 @@ async def run_policy(
             if call.producer is not None and call.status == 200:
                 producers[call.producer] += 1
 
-        server.router.call_hooks.append(count)
+        server.router.requests.call_hooks.append(count)
         await server.start()
         try:
             started = time.monotonic()

@@ -35,29 +35,6 @@ LAYERS = [
     "commands",
 ]
 
-# Known violations, left while the request path moves out of router/pipeline.py, which still
-# builds the process (its `Router` goes to app/). Each pair is (importer, imported): an import
-# up a layer, or one closing a cycle. They are left out of both checks below; the test fails
-# when one is no longer a violation, so that the set only shrinks. Never add to it.
-PENDING: set[tuple[str, str]] = {
-    # The Router builds the control loop and the phase latencies it reads.
-    ("narwhal.router.pipeline", "narwhal.control.loop"),
-    ("narwhal.router.pipeline", "narwhal.control.phase_latency"),
-    # ... and logs, journals, counts, keeps recent requests, snapshots state and traces.
-    ("narwhal.router.pipeline", "narwhal.observe.events"),
-    ("narwhal.router.pipeline", "narwhal.observe.journal"),
-    ("narwhal.router.pipeline", "narwhal.observe.metrics"),
-    ("narwhal.router.pipeline", "narwhal.observe.recent"),
-    ("narwhal.router.pipeline", "narwhal.observe.state"),
-    ("narwhal.router.pipeline", "narwhal.observe.tracing"),
-    # Rescue takes the Router (for its type), which imports it: a cycle inside router/.
-    ("narwhal.router.rescue", "narwhal.router.pipeline"),
-}
-
-# Modules outside narwhal/config/ that still read the environment, for the same reason:
-# router/pipeline.py starts tracing from the OTEL_* variables. The same rule: it only shrinks.
-PENDING_ENVIRONMENT: set[str] = {"narwhal.router.pipeline"}
-
 ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb"}
 
 
@@ -187,28 +164,6 @@ def _cycle_through(start: str, members: set[str], graph: Mapping[str, set[str]])
     raise AssertionError(f"no cycle through {start}")
 
 
-def _without_pending(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
-    return {
-        importer: {imported for imported in imports if (importer, imported) not in PENDING}
-        for importer, imports in graph.items()
-    }
-
-
-def _cyclic(graph: Mapping[str, set[str]]) -> set[tuple[str, str]]:
-    """The imports that lie on some cycle (both ends in one component)."""
-    component_of = {
-        member: number
-        for number, component in enumerate(_strongly_connected(graph))
-        for member in component
-    }
-    return {
-        (importer, imported)
-        for importer, imports in graph.items()
-        for imported in imports
-        if importer in component_of and component_of[importer] == component_of.get(imported)
-    }
-
-
 def _upward(graph: Mapping[str, set[str]]) -> set[tuple[str, str]]:
     return {
         (importer, imported)
@@ -269,7 +224,7 @@ def later() -> None:
 
 
 def test_no_module_imports_itself_back() -> None:
-    graph = _without_pending(_graph())
+    graph = _graph()
     cycles = [
         " -> ".join(_cycle_through(component[0], set(component), graph))
         + f"  (component: {', '.join(component)})"
@@ -279,19 +234,10 @@ def test_no_module_imports_itself_back() -> None:
 
 
 def test_no_import_runs_up_a_layer() -> None:
-    upward = _upward(_graph())
-    new = sorted(upward - PENDING)
-    assert not new, (
+    upward = sorted(_upward(_graph()))
+    assert not upward, (
         f"imports up a layer (order, lowest first: {' < '.join(LAYERS)}):\n  "
-        + "\n  ".join(f"{importer} -> {imported}" for importer, imported in new)
-    )
-
-
-def test_the_pending_violations_only_shrink() -> None:
-    graph = _graph()
-    gone = sorted(PENDING - _upward(graph) - _cyclic(graph))
-    assert not gone, "no longer a violation, take it out of PENDING:\n  " + "\n  ".join(
-        f"{importer} -> {imported}" for importer, imported in gone
+        + "\n  ".join(f"{importer} -> {imported}" for importer, imported in upward)
     )
 
 
@@ -317,10 +263,7 @@ def test_only_configuration_reads_the_environment() -> None:
         lines = _reads_environment(ast.parse(path.read_text(), filename=str(path)))
         if lines:
             readers[module] = lines
-    new = sorted(set(readers) - PENDING_ENVIRONMENT)
-    assert not new, "the environment read outside narwhal/config/:\n  " + "\n  ".join(
+    assert not readers, "the environment read outside narwhal/config/:\n  " + "\n  ".join(
         f"{MODULES[module].relative_to(SOURCE)}: line {', '.join(map(str, readers[module]))}"
-        for module in new
+        for module in sorted(readers)
     )
-    gone = sorted(PENDING_ENVIRONMENT - set(readers))
-    assert not gone, f"no longer reads the environment, take it out of PENDING_ENVIRONMENT: {gone}"

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from narwhal.engines.kv_events import CacheChange, EventError, KvEventFeeds, decode_batch
+from narwhal.runtime.background import Background
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm" / "kv_events.json"
 
@@ -47,7 +48,9 @@ async def test_a_feed_follows_an_engines_publisher_and_counts_what_it_missed() -
     port = publisher.bind_to_random_port("tcp://127.0.0.1")
     seen: list[tuple[str, CacheChange]] = []
     feeds = KvEventFeeds({"e0": f"tcp://127.0.0.1:{port}"}, lambda e, c: seen.append((e, c)))
-    feeds.start()
+    background = Background()
+    await background.start()
+    feeds.start(background.spawn)
     try:
         stored = {"type": "BlockStored", "block_hashes": [1, 2], "block_size": 16, "medium": "GPU"}
         # A subscriber joins a moment after it connects: publish until it hears.
@@ -69,6 +72,7 @@ async def test_a_feed_follows_an_engines_publisher_and_counts_what_it_missed() -
         assert stats.as_json()["missed_batches"] == 4
     finally:
         await feeds.stop()
+        await background.stop()
         publisher.close(linger=0)
         context.term()
 

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from narwhal.app.server import RouterServer, stop_signal
 from narwhal.config.root import Config, parse_config
-from narwhal.http.app import RouterServer, stop_signal
 from narwhal.tools.sim.fleet import SimFleet
 from narwhal.tools.sim.options import SimOptions
 from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions

@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from narwhal.app.server import RouterServer, reload_signal, stop_signal
 from narwhal.config.root import ConfigError, load_config
 from narwhal.config.secrets import SecretsError, load_secrets
 from narwhal.config.workers import Workers, conflict, resolve_workers
 from narwhal.fleet.preflight import format_report, run_preflight
-from narwhal.http.app import RouterServer, reload_signal, stop_signal
 
 
 async def run_serve(

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from narwhal.runtime.background import Spawn
+
 logger = logging.getLogger(__name__)
 
 GPU = "GPU"
@@ -133,7 +135,8 @@ class KvEventFeeds:
         self._tasks: list[asyncio.Task[None]] = []
         self._context: Any = None
 
-    def start(self) -> None:
+    def start(self, spawn: Spawn) -> None:
+        """Follow every engine's feed, in tasks `spawn` starts (the router's background)."""
         if not self.stats:
             return
         try:
@@ -143,9 +146,9 @@ class KvEventFeeds:
             raise RuntimeError(MISSING_EXTRA) from exc
         self._context = zmq.asyncio.Context()
         for engine in self.stats:
-            self._tasks.append(
-                asyncio.create_task(self._follow(engine), name=f"kv-events-{engine}")
-            )
+            task = spawn(self._follow(engine), f"kv-events-{engine}")
+            if task is not None:
+                self._tasks.append(task)
 
     async def stop(self) -> None:
         for task in self._tasks:

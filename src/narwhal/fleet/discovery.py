@@ -23,6 +23,7 @@ from narwhal.config.discovery import DiscoveryConfig
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.sources.pods import Action, Held, PodView, Step, plan, read_pod
 from narwhal.fleet.table import EngineEvent, Fleet
+from narwhal.runtime.background import Spawn
 
 SOURCE = "kubernetes"
 
@@ -52,8 +53,9 @@ class FleetDiscovery:
         self._task: asyncio.Task[None] | None = None
         fleet.listeners.append(self._on_event)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.watcher.run(), name="discovery")
+    def start(self, spawn: Spawn) -> None:
+        """Follow the pods, in a task `spawn` starts (the router's background)."""
+        self._task = spawn(self.watcher.run(), "discovery")
 
     async def stop(self) -> None:
         if self._task is not None:

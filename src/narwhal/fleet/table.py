@@ -195,8 +195,9 @@ def _fraction(used: float, limit: int) -> float:
 class Reservation:
     """A request's seats: one prefill seat on the producer, one decode seat on the consumer.
 
-    Each seat is released exactly once, whichever of `release_prefill`, `release_decode`
-    or `release` runs first; later calls are no-ops.
+    Its holder keeps it in `async with`: leaving the block releases whatever is still
+    held. The prefill seat may go sooner (`release_prefill`, once the prefill answered).
+    Each seat is released exactly once; later calls are no-ops.
     """
 
     fleet: Fleet
@@ -231,6 +232,12 @@ class Reservation:
     def release(self) -> None:
         self.release_prefill()
         self.release_decode()
+
+    async def __aenter__(self) -> Reservation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 @dataclass(eq=False, slots=True)

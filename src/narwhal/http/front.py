@@ -33,7 +33,7 @@ from narwhal.router.reply import body_too_slow
 from narwhal.runtime.clock import Pending, clock
 
 if TYPE_CHECKING:
-    from narwhal.router.pipeline import Router
+    from narwhal.http.served import Served
 
 log = logging.getLogger("narwhal.front")
 
@@ -51,7 +51,7 @@ class Front:
 
     def __init__(
         self,
-        router: Router,
+        router: Served,
         aiohttp: Callable[[], asyncio.Protocol],
         client_keys: tuple[bytes, ...],
     ) -> None:

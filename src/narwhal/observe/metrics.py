@@ -29,11 +29,12 @@ from narwhal.engines.handoff import DescriptorRejected
 from narwhal.fleet.table import EngineState, Phase
 from narwhal.observe.loop_histogram import LoopHistogram
 from narwhal.protocol.errors import Cause
+from narwhal.runtime.background import Spawn
 
 if TYPE_CHECKING:
     from narwhal.control.loop import ControlLoop
+    from narwhal.observe.parts import Observed
     from narwhal.router.call import Call
-    from narwhal.router.pipeline import Router
 
 # Seconds. Time to first token spans a cached 20 ms prefill to a queued long prompt.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -51,7 +52,7 @@ PROBE_RESULTS = ("success", "failure", "inconclusive")
 class RouterMetrics:
     """The router's metrics; `observe` is the per-request hook, `render` the exposition."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Observed) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -216,9 +217,9 @@ class RouterMetrics:
         encode, content_type = choose_encoder(accept or "")
         return encode(self.registry), content_type
 
-    def start(self) -> None:
-        """Start watching the event loop's lag; `stop` ends it."""
-        self._lag_task = asyncio.create_task(self._watch_loop(), name="loop-lag")
+    def start(self, spawn: Spawn) -> None:
+        """Start watching the event loop's lag, in a task `spawn` starts; `stop` ends it."""
+        self._lag_task = spawn(self._watch_loop(), "loop-lag")
 
     async def stop(self) -> None:
         if self._lag_task is not None:
@@ -249,7 +250,7 @@ class _LoopHistograms(Collector):
 class _ScrapeTimeCollector(Collector):
     """Reads the router's own state when scraped: gauges, engine standing, decode gaps."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Observed) -> None:
         self.router = router
 
     def collect(self) -> Iterator[Metric]:
@@ -311,7 +312,7 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
-def _gaps_histogram(router: Router) -> HistogramMetricFamily:
+def _gaps_histogram(router: Observed) -> HistogramMetricFamily:
     gaps = router.client.gaps
     return HistogramMetricFamily(
         "narwhal_inter_token_gap_seconds",
@@ -321,7 +322,7 @@ def _gaps_histogram(router: Router) -> HistogramMetricFamily:
     )
 
 
-def _engine_metrics(router: Router) -> Iterator[Metric]:
+def _engine_metrics(router: Observed) -> Iterator[Metric]:
     engines = router.fleet.engines
     now = asyncio.get_running_loop().time()
     info = GaugeMetricFamily(

@@ -11,10 +11,10 @@ from narwhal.fleet.table import Engine, Phase
 from narwhal.router.abandoned import AbandonedHandoffs
 
 if TYPE_CHECKING:
-    from narwhal.router.pipeline import Router
+    from narwhal.observe.parts import Observed
 
 
-def snapshot(router: Router) -> dict[str, Any]:
+def snapshot(router: Observed) -> dict[str, Any]:
     """Each engine's standing, seats, breaker and failures; the queue, budget and recent
     requests. Read by operators and the fleet page; never on the request path."""
     now = asyncio.get_running_loop().time()
@@ -56,7 +56,7 @@ def snapshot(router: Router) -> dict[str, Any]:
     }
 
 
-def _placement(router: Router) -> dict[str, Any]:
+def _placement(router: Observed) -> dict[str, Any]:
     """The policy, how many placements a cached prefix steered, and per engine the chunks
     the index holds, its recent placements and its KV event feed (this process's)."""
     placer = router.fleet.placer

@@ -1,1 +1,1 @@
-"""The HTTP router: admission, placement, the request path, relay and outcome."""
+"""The request path alone: admit → place → attempts → relay → outcome."""

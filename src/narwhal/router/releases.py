@@ -3,30 +3,29 @@ descriptor does not wait for its release, and the router waits for none at shutd
 
 from __future__ import annotations
 
-import asyncio
-
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.release import release_handoff
 from narwhal.protocol.errors import NarwhalError
 from narwhal.router.abandoned import AbandonedHandoffs, Abandonment
+from narwhal.runtime.background import Spawn
 
 
 class Releases:
     """Asks consumers to free abandoned handoffs' blocks; each outcome goes to `abandoned`."""
 
     def __init__(
-        self, client: EngineClient, abandoned: AbandonedHandoffs, timeout_s: float
+        self, client: EngineClient, abandoned: AbandonedHandoffs, timeout_s: float, spawn: Spawn
     ) -> None:
+        """`spawn` starts each release in the router's background, which cancels those
+        still under way when the router stops: their blocks go at the end of the lease."""
         self.client = client
         self.abandoned = abandoned
         self.timeout_s = timeout_s
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.spawn = spawn
 
     def start(self, consumer_url: str, result: PrefillResult, lost: Abandonment) -> None:
-        task = asyncio.create_task(self._release(consumer_url, result, lost))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(self._release(consumer_url, result, lost), f"release-{result.request_id}")
 
     async def _release(self, consumer_url: str, result: PrefillResult, lost: Abandonment) -> None:
         # Only a descriptor that passes every handoff rule goes to a consumer: a malformed
@@ -39,9 +38,3 @@ class Releases:
             self.client, consumer_url, result.request_id, descriptor, self.timeout_s
         )
         self.abandoned.released(lost, freed)
-
-    async def close(self) -> None:
-        """Cancel releases still under way: their blocks go at the end of the lease."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

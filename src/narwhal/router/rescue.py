@@ -1,25 +1,28 @@
 """Stream continuation, the I/O: relay an answer while tracking its ids, and when its consumer
 fails after output began, carry it on elsewhere into the same response.
 
-The decisions and shapes are `router.continuation`'s; this module places the replay, sends
-its legs through the router's own attempt path and writes what the client gets.
+The decisions and shapes are `router.continuation`'s; `Rescue` is also the rules of a
+continuation's tries (`router.retry.Tries`): each replay goes through the same retry loop
+as the request's first attempts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from narwhal.config.continuation import ContinuationConfig
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
-from narwhal.fleet.table import Reservation
+from narwhal.fleet.placement import PromptKey
+from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest, Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseError, block_payloads
 from narwhal.router.assemble import Assembler
-from narwhal.router.call import Call, Stage
+from narwhal.router.call import Call
 from narwhal.router.continuation import (
     ANSWER,
     BUDGET,
@@ -35,9 +38,7 @@ from narwhal.router.continuation import (
 from narwhal.router.progress import Progress
 from narwhal.router.reply import Reply
 from narwhal.router.respond import DONE_EVENT, completion_tokens, stream_headers
-
-if TYPE_CHECKING:
-    from narwhal.router.pipeline import Router
+from narwhal.router.retry import FirstTries, Retries
 
 # A client that sends this request header with the value `report` learns of continuations:
 # an SSE comment in a stream, a response header (`X-Narwhal-Continuations`) otherwise.
@@ -52,20 +53,30 @@ def _sse(chunk: dict[str, Any]) -> bytes:
 class Rescue:
     """One continuable request from its first relayed byte to its one ending."""
 
+    # Its tries continue an answer (`router.retry.Tries`).
+    rescue = True
+
     def __init__(
         self,
-        router: Router,
+        fleet: Fleet,
+        retries: Retries,
         reply: Reply,
         call: Call,
         client_request: ClientRequest,
         progress: Progress,
+        key: PromptKey | None,
+        settings: ContinuationConfig,
     ) -> None:
-        self.router = router
+        """`key`: the client prompt's placement key. A replay begins with that prompt, so
+        prefix placement prefers the producer expected to hold it in its prefix cache."""
+        self.fleet = fleet
+        self.retries = retries
+        self.outcome = retries.outcome
         self.reply = reply
         self.call = call
         self.client_request = client_request
         self.progress = progress
-        self.settings = router.config.continuation
+        self.key = key
         self.report = (reply.header(REPORT_HEADER) or "").lower() == "report"
         self.assembler = None if client_request.stream else Assembler(call.endpoint)
         self.head: Head | None = None
@@ -76,43 +87,35 @@ class Rescue:
         # Ids the client asked for and was given past the committed boundary (tokens whose
         # text was held): the replay generates them again, and the client gets them once.
         self.overhang: list[int] = []
+        # While continuing: the failure that ended the last try, the consumers that
+        # failed the answer (never continued on), the engines its replays avoid, and when
+        # the consumer failed.
+        self.error: NarwhalError | None = None
+        self.failed_consumers: set[str] = set()
+        self.avoid: set[str] = set()
+        self.failed_at = 0.0
+        self.settings = settings
 
-    async def serve(self, reservation: Reservation, stream: DecodeStream) -> None:
-        failed_consumers: set[str] = set()
-        avoid: set[str] = set()
-        rescued = False
-        while True:
-            try:
-                try:
-                    async with stream:
-                        self.call.enter(Stage.RELAY)
-                        if rescued:
-                            await self._relay_rescued(stream)
-                        else:
-                            await self._relay_first(stream)
-                finally:
-                    reservation.release()
-            except NarwhalError as error:
-                self.router._blame(error, reservation)
-                consumer = reservation.consumer.id
-                if not error.is_engine_fault or error.engine != consumer:
-                    raise
-                self.call.cut = True
-                self.progress.settle()
-                if self.progress.finished:
-                    # Every token is in; only the usage chunk or [DONE] went missing.
-                    self.router.breaker.success(consumer)
-                    return await self._end(None)
-                self.call.attempt_failed(error)
-                failed_consumers.add(consumer)
-                avoid.add(consumer)
-                reservation, stream = await self._resume(error, failed_consumers, avoid)
-                rescued = True
-                continue
-            self.router.breaker.success(reservation.consumer.id)
-            self.router.budget.on_success()
-            self.router.continuation_budget.on_success()
-            return await self._end(stream)
+    async def serve(self, first: FirstTries) -> None:
+        call = self.call
+        relayed = await self.retries.run(call, first, self._relay_first)
+        while relayed.error is not None:
+            error, consumer = relayed.error, relayed.reservation.consumer.id
+            if not error.is_engine_fault or error.engine != consumer:
+                raise error
+            call.cut = True
+            self.progress.settle()
+            if self.progress.finished:
+                # Every token is in; only the usage chunk or [DONE] went missing.
+                self.outcome.leg(relayed.reservation, Phase.DECODE, None)
+                return await self._end(None)
+            call.attempt_failed(error)
+            self.failed_consumers.add(consumer)
+            self.avoid.add(consumer)
+            self.error, self.failed_at = error, time.perf_counter()
+            relayed = await self.retries.run(call, self, self._relay_rescued)
+        self.outcome.answered(tracked=True)
+        return await self._end(relayed.stream)
 
     # The relays ----------------------------------------------------------------------
 
@@ -140,6 +143,13 @@ class Rescue:
 
     async def _relay_rescued(self, stream: DecodeStream) -> None:
         """A replay's events, reshaped into the client's answer (its id, its format)."""
+        call = self.call
+        call.interruption_s += time.perf_counter() - self.failed_at
+        if self.reply.committed and self.report:
+            await self.reply.write(
+                b": narwhal continued the answer after %d tokens (continuation %d)\n\n"
+                % (self.base, call.continuations)
+            )
         head = self._head()
         chat = self.call.endpoint is Endpoint.CHAT
         keep_ids = not self.progress.strip
@@ -174,69 +184,50 @@ class Rescue:
             self.head = Head.of(payloads[0] if payloads else {})
         return self.head
 
-    # Continuing ----------------------------------------------------------------------
+    # Continuing: the rules of a continuation's tries (`router.retry.Tries`) ----------
 
-    async def _resume(
-        self, error: NarwhalError, failed_consumers: set[str], avoid: set[str]
-    ) -> tuple[Reservation, DecodeStream]:
-        """A fresh prefill of P + G, a fresh handoff and a decode on another consumer."""
-        router, call, progress = self.router, self.call, self.progress
-        started = time.perf_counter()
-        # Placed by the client's own prompt: the replay begins with it, so prefix placement
-        # prefers the producer expected to hold it in its prefix cache.
-        key = router.fleet.placer.key(self.client_request.body)
-        while True:
-            why = refusal(self.client_request, progress, self.settings.max_tracked_tokens)
-            if why is not None:
-                raise self._refused(error, why, ANSWER)
-            if call.continuations >= self.settings.max_attempts:
-                why = f"continuation.max_attempts ({self.settings.max_attempts}) used"
-                raise self._refused(error, why, BUDGET)
-            if not router.continuation_budget.try_spend():
-                why = "the router's continuation budget (continuation.budget) is spent"
-                raise self._refused(error, why, BUDGET)
-            if not progress.strip:
-                self.overhang = progress.ids[progress.committed :]
-            progress.ids = progress.generated
-            self.base = len(progress.ids)
-            replay = ClientRequest(
-                Endpoint.COMPLETIONS, replay_body(self.client_request, progress), True, False
-            )
-            call.enter(Stage.QUEUED)
-            try:
-                reservation = await router.fleet.reserve(frozenset(avoid), key)
-            except NarwhalError as unplaced:
-                why = f"no consumer was placed: {unplaced.message}"
-                raise self._refused(error, why, FLEET) from None
-            if reservation.consumer.id in failed_consumers:
-                reservation.release()
-                raise self._refused(error, "no other consumer is available to continue on", FLEET)
-            call.continuations += 1
-            call.replayed_tokens += self.base
-            try:
-                stream = await router._attempt(call, replay, reservation, rescue=True)
-            except NarwhalError as failed:
-                reservation.release()
-                call.attempt_failed(failed)
-                router._blame(failed, reservation)
-                if failed.engine is not None:
-                    avoid.add(failed.engine)
-                    if failed.engine == reservation.consumer.id:
-                        failed_consumers.add(failed.engine)
-                error = failed
-                continue
-            except BaseException:
-                reservation.release()
-                raise
-            call.interruption_s += time.perf_counter() - started
-            if self.reply.committed and self.report:
-                await self.reply.write(
-                    b": narwhal continued the answer after %d tokens (continuation %d)\n\n"
-                    % (self.base, call.continuations)
-                )
-            return reservation, stream
+    def next_try(self, call: Call) -> ClientRequest:
+        """A fresh prefill of P + G, a fresh handoff and a decode on another consumer, while
+        the answer, `continuation.max_attempts` and the continuation budget allow."""
+        progress, settings = self.progress, self.settings
+        why = refusal(self.client_request, progress, settings.max_tracked_tokens)
+        if why is not None:
+            raise self._refused(why, ANSWER)
+        if call.continuations >= settings.max_attempts:
+            raise self._refused(f"continuation.max_attempts ({settings.max_attempts}) used", BUDGET)
+        if not self.outcome.continuation_budget.try_spend():
+            why = "the router's continuation budget (continuation.budget) is spent"
+            raise self._refused(why, BUDGET)
+        if not progress.strip:
+            self.overhang = progress.ids[progress.committed :]
+        progress.ids = progress.generated
+        self.base = len(progress.ids)
+        body = replay_body(self.client_request, progress)
+        return ClientRequest(Endpoint.COMPLETIONS, body, True, False)
 
-    def _refused(self, error: NarwhalError, why: str, kind: str) -> NarwhalError:
+    async def reserve(self, call: Call) -> Reservation:
+        try:
+            return await self.fleet.reserve(frozenset(self.avoid), self.key)
+        except NarwhalError as unplaced:
+            why = f"no consumer was placed: {unplaced.message}"
+            raise self._refused(why, FLEET) from None
+
+    def placed(self, call: Call, reservation: Reservation) -> None:
+        if reservation.consumer.id in self.failed_consumers:
+            raise self._refused("no other consumer is available to continue on", FLEET)
+        call.continuations += 1
+        call.replayed_tokens += self.base
+
+    def failed(self, call: Call, error: NarwhalError, reservation: Reservation) -> None:
+        if error.engine is not None:
+            self.avoid.add(error.engine)
+            if error.engine == reservation.consumer.id:
+                self.failed_consumers.add(error.engine)
+        self.error = error
+
+    def _refused(self, why: str, kind: str) -> NarwhalError:
+        error = self.error
+        assert error is not None
         self.call.continuation_refused, self.call.refused_kind = why, kind
         return NarwhalError(
             error.status,

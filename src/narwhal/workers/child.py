@@ -14,10 +14,11 @@ import os
 import sys
 from pathlib import Path
 
+from narwhal.app.process import Hooks
+from narwhal.app.server import RouterServer, reload_signal, stop_signal
 from narwhal.config.root import ConfigError, load_config
 from narwhal.config.secrets import SecretsError, load_secrets
 from narwhal.fleet.seat_share import SeatShare
-from narwhal.http.app import RouterServer, reload_signal, stop_signal
 from narwhal.observe.events import configure_logging
 from narwhal.runtime import main as runtime
 from narwhal.workers.fanout import fan_out
@@ -66,6 +67,7 @@ async def run_worker(
         return 2
     stopping = stop_signal()
     peers = Peers(run_dir, count, worker)
+    ledger = Ledger(ledger_path(run_dir, worker))
     server = RouterServer(
         config,
         host,
@@ -77,19 +79,16 @@ async def run_worker(
         middlewares=[fan_out(peers)],
         journal_stamp={"worker": worker},
         seat_share=SeatShare(config.server.replicas, count, worker),
+        hooks=Hooks(arrival=[ledger.opened], ended=[ledger.closed]),
     )
-    ledger = Ledger(ledger_path(run_dir, worker))
-    server.router.arrival_hooks.append(ledger.opened)
-    server.router.call_hooks.append(ledger.closed)
     reload_signal(server)
     await server.start()
-    watch = asyncio.create_task(_orphaned(stopping))
-    snapshots = asyncio.create_task(_snapshots(server, metrics_snapshot(run_dir, worker)))
+    spawn = server.router.background.spawn
+    spawn(_orphaned(stopping), "orphan-watch")
+    spawn(_snapshots(server, metrics_snapshot(run_dir, worker)), "metrics-snapshots")
     try:
         await stopping.wait()
     finally:
-        watch.cancel()
-        snapshots.cancel()
         await server.shutdown(config.server.graceful_timeout_s)
         await peers.close()
         ledger.close()

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from narwhal.app.server import stop_signal
 from narwhal.config.root import Config
-from narwhal.http.app import stop_signal
 from narwhal.observe.journal import Journal
 from narwhal.workers.ledger import ledger_path, unfinished
 from narwhal.workers.listener import shared_listener

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from narwhal.tools.chaos.checks import check_leaks, check_service, metrics_abandoned
 from narwhal.tools.chaos.downtime import Downtime
 from narwhal.tools.chaos.faults import Outages, inject

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from narwhal.tools.goodput.idle import wait_idle
 from narwhal.tools.goodput.score import Outcome, Slo
 from narwhal.tools.goodput.traces import TraceRequest

@@ -1,0 +1,1 @@
+"""The process assembled: every part built and wired (`process`), the servers bound (`server`)."""

@@ -1,0 +1,220 @@
+"""One attempt, on the seats of one reservation: prefill → validate → decode → hand over.
+
+An attempt ends at the decode's first token, with the stream handed to the relay, or with
+the error that ended it. Each attempt has fresh engine request ids and its own handoff; a
+descriptor that never reached a consumer is recorded as abandoned (its producer holds the
+blocks) and, when the operator asks, released through another consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from narwhal.config.root import Config
+from narwhal.engines.client import new_request_id
+from narwhal.engines.connector import Delivery, PrefillResult
+from narwhal.engines.decode_stream import DecodeStream
+from narwhal.fleet.table import Fleet, Phase, Reservation
+from narwhal.protocol.bodies import ClientRequest
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from narwhal.router.abandoned import AbandonedHandoffs, abandonment
+from narwhal.router.call import Call, Stage
+from narwhal.router.continuation import with_token_ids
+from narwhal.router.outcome import Outcome
+from narwhal.router.releases import Releases
+
+
+class Legs(Protocol):
+    """The engine client's three calls an attempt makes (`engines.client.EngineClient`)."""
+
+    async def prefill(
+        self,
+        producer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        same_worker: bool = False,
+        request_id: str | None = None,
+        engine: str | None = None,
+        kv_hosts: Iterable[str] = (),
+        trace: bytes = b"",
+    ) -> PrefillResult: ...
+
+    async def handoff_descriptor(
+        self, consumer_url: str, endpoint: str, result: PrefillResult
+    ) -> bytes | None: ...
+
+    async def send_decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        drop_usage: bool = False,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+    ) -> DecodeStream: ...
+
+
+class Attempt:
+    """The legs of one try, sent through the engine client."""
+
+    def __init__(
+        self,
+        config: Config,
+        client: Legs,
+        fleet: Fleet,
+        outcome: Outcome,
+        abandoned: AbandonedHandoffs,
+        releases: Releases,
+    ) -> None:
+        self.client = client
+        self.fleet = fleet
+        self.outcome = outcome
+        self.abandoned = abandoned
+        self.releases = releases
+        self.handoff_bound_s = config.handoff_bound_s
+        self.kv_lease_s = config.engine.kv_lease_s
+        self.release_abandoned = config.engine.release_abandoned
+
+    async def run(
+        self,
+        call: Call,
+        request: ClientRequest,
+        reservation: Reservation,
+        *,
+        rescue: bool = False,
+    ) -> DecodeStream:
+        """One prefill/decode try, up to the decode's first token.
+
+        With `rescue`, the try continues an answer (`router.rescue`): the request's own
+        first-token measurements and prompt count stay as they were.
+        """
+        producer, consumer = reservation.producer, reservation.consumer
+        call.attempts += 1
+        call.producer = None if reservation.fallback else producer.id
+        call.consumer = consumer.id
+        call.prefix_matched = reservation.prefix_matched
+        backend_id = new_request_id()
+        call.backend_request_ids.append(backend_id)
+        call.panic = call.panic or reservation.panic
+        if reservation.fallback:
+            # Aggregate fallback: the consumer computes the prompt itself; no prefill leg.
+            now = asyncio.get_running_loop().time()
+            result = PrefillResult(
+                consumer.url, request.endpoint, backend_id, None, now, same_worker=True
+            )
+        else:
+            call.enter(Stage.PREFILL)
+            result = await self.client.prefill(
+                producer.url,
+                request.endpoint,
+                request.body,
+                same_worker=not reservation.crossed,
+                request_id=backend_id,
+                engine=producer.id,
+                kv_hosts=producer.spec.kv_hosts,
+                trace=call.leg_headers(),
+            )
+            reservation.release_prefill()
+            if not rescue:
+                call.ttft_s = time.perf_counter() - call.arrival
+                call.prompt_tokens = result.prompt_tokens
+        delivery = Delivery()
+        try:
+            return await self._hand_over(call, request, reservation, result, delivery, rescue)
+        except BaseException:
+            if not delivery.delivered:
+                self._abandon(call, result, reservation)
+            raise
+
+    async def _hand_over(
+        self,
+        call: Call,
+        request: ClientRequest,
+        reservation: Reservation,
+        result: PrefillResult,
+        delivery: Delivery,
+        rescue: bool,
+    ) -> DecodeStream:
+        """From the prefill's answer to the decode's first token; `delivery` says whether
+        the descriptor reached the consumer, whatever happens."""
+        producer, consumer = reservation.producer, reservation.consumer
+        if reservation.fallback:
+            call.handoff = "fallback"
+        else:
+            call.enter(Stage.HANDOFF)
+            call.handoff = self._handoff_kind(reservation, result)
+        call.handoffs.append(call.handoff)
+        endpoint = request.endpoint
+        try:
+            descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
+            call.enter(Stage.DECODE)
+            stream = await self.client.send_decode(
+                consumer.url,
+                endpoint,
+                # A tracked request's ids come from its decode alone (`router.progress`).
+                with_token_ids(request.body) if call.tracks_ids else request.body,
+                result,
+                descriptor,
+                engine=consumer.id,
+                drop_usage=not request.include_usage,
+                trace=call.leg_headers(),
+                delivery=delivery,
+            )
+        except NarwhalError as error:
+            # The descriptor passed validation unless the producer is the one blamed.
+            if error.engine != producer.id:
+                self.outcome.leg(reservation, Phase.PREFILL, None)
+            raise
+        self.outcome.leg(reservation, Phase.PREFILL, None)
+        if call.handoff == "crossed":
+            consumer.crossed_decodes += 1
+        if not rescue:
+            call.first_byte_s = time.perf_counter() - call.arrival
+            if reservation.fallback:
+                call.ttft_s = call.first_byte_s
+        return stream
+
+    def _handoff_kind(self, reservation: Reservation, result: PrefillResult) -> str:
+        """How the prefill hands over; raises when its descriptor is too old to decode."""
+        if not reservation.crossed:
+            return "same_worker"
+        if result.descriptor is None:
+            return "recomputed"
+        age, bound = result.age(asyncio.get_running_loop().time()), self.handoff_bound_s
+        if age > bound:
+            producer = reservation.producer.id
+            raise engine_error(
+                Cause.HANDOFF_EXPIRED,
+                f"handoff expired: the descriptor from engine {producer} was "
+                f"{age:.1f} s old, past the {bound:g} s bound (engine.kv_lease_s less "
+                "a sixth); its decode was not sent",
+                producer,
+            )
+        return "crossed"
+
+    def _abandon(self, call: Call, result: PrefillResult, reservation: Reservation) -> None:
+        """A descriptor dropped before reaching a consumer: nobody will pull its blocks,
+        which its producer holds until the KV lease ends (a null descriptor holds none),
+        unless a consumer releases them (`engine.release_abandoned`)."""
+        now = asyncio.get_running_loop().time()
+        lost = abandonment(
+            result.producer, result.descriptor, result.started_at, now, self.kv_lease_s
+        )
+        if lost is None or result.descriptor is None:
+            return
+        self.abandoned.record(lost)
+        call.abandoned.append(lost)
+        if not self.release_abandoned or lost.pinned_s <= 0:
+            return
+        consumers = [reservation.consumer, *self.fleet.admitted(Phase.DECODE)]
+        consumer = next((c for c in consumers if not c.refusing), None)
+        if consumer is not None:
+            self.releases.start(consumer.url, result, lost)

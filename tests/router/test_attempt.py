@@ -1,0 +1,89 @@
+"""One attempt against a fake engine client: the handoff kinds, the expiry bound, what a
+dropped descriptor costs, and which leg is counted a success."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
+from support.legs import FakeLegs, call, config, path, request
+
+ENGINES = [("p0", "prefill"), ("d0", "decode")]
+LEASE = {"engine": {"kv_lease_s": 60}}
+
+
+async def test_a_crossed_attempt_frees_the_prefill_seat_and_measures_the_first_token() -> None:
+    legs = FakeLegs()
+    stack = path(config(ENGINES), legs)
+    record = call()
+    reservation = await stack.fleet.reserve(frozenset(), None)
+    async with reservation:
+        await stack.attempt.run(record, request(), reservation)
+        p0, d0 = stack.fleet.by_id["p0"], stack.fleet.by_id["d0"]
+        # The prefill's seat went back once it answered; the decode's is held to the end.
+        assert (p0.prefill_seats, d0.decode_seats) == (0, 1)
+    assert stack.seats_held() == 0
+    assert record.handoffs == ["crossed"] and d0.crossed_decodes == 1
+    assert (record.producer, record.consumer, record.attempts) == ("p0", "d0", 1)
+    assert record.prompt_tokens == 3
+    assert record.ttft_s is not None and record.first_byte_s is not None
+    assert len(record.backend_request_ids) == 1
+
+
+async def test_a_continuing_attempt_keeps_the_requests_own_first_token_figures() -> None:
+    stack = path(config(ENGINES), FakeLegs())
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        await stack.attempt.run(record, request(), reservation, rescue=True)
+    assert record.ttft_s is None and record.first_byte_s is None and record.prompt_tokens is None
+
+
+async def test_a_fallback_attempt_sends_no_prefill() -> None:
+    legs = FakeLegs()
+    stack = path(config(ENGINES), legs)
+    record = call()
+    async with await stack.fleet.reserve(frozenset({"p0"}), None) as reservation:
+        assert reservation.fallback
+        await stack.attempt.run(record, request(), reservation)
+    assert legs.legs == [("decode", "d0")]
+    assert record.handoffs == ["fallback"] and record.producer is None
+    assert record.ttft_s == record.first_byte_s
+
+
+async def test_an_old_descriptor_is_refused_and_its_blocks_released_through_a_consumer() -> None:
+    # Past the bound (the lease less a sixth: 50 s) but inside the lease: blocks pinned.
+    legs = FakeLegs(age_s=55.0)
+    stack = path(config(ENGINES, **LEASE), legs)
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        with pytest.raises(NarwhalError) as raised:
+            await stack.attempt.run(record, request(), reservation)
+    assert raised.value.cause is Cause.HANDOFF_EXPIRED and raised.value.engine == "p0"
+    assert "past the 50 s bound" in raised.value.message
+    assert legs.legs == [("prefill", "p0")]
+    assert [lost.producer for lost in record.abandoned] == ["p0"]
+    assert len(stack.released) == 1
+
+
+async def test_a_consumer_that_fails_before_the_descriptor_reaches_it_abandons_it() -> None:
+    legs = FakeLegs(faults={"d0": [engine_error(Cause.CONNECT, "refused", "d0")]})
+    stack = path(config(ENGINES, **LEASE), legs)
+    stack.fleet.by_id["p0"].streak = 1
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run(record, request(), reservation)
+    assert len(record.abandoned) == 1
+    # The descriptor had passed validation: the producer's leg counts as a success.
+    assert stack.fleet.by_id["p0"].streak == 0
+
+
+async def test_a_producer_that_fails_is_not_counted_a_success() -> None:
+    legs = FakeLegs(faults={"p0": [engine_error(Cause.PREFILL_TIMEOUT, "slow", "p0")]})
+    stack = path(config(ENGINES), legs)
+    stack.fleet.by_id["p0"].streak = 1
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run(call(), request(), reservation)
+    assert stack.fleet.by_id["p0"].streak == 1
+    assert stack.seats_held() == 0

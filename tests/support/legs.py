@@ -1,0 +1,183 @@
+"""A fake engine client for the request path's rules: scripted legs, no sockets.
+
+`FakeLegs` answers an attempt's three calls (prefill, handoff check, decode) for engines by
+id, raising the faults a test scripts for each engine in turn; `path()` builds the real
+`Attempt`, `Outcome` and `Retries` around it on a small fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import orjson
+
+from narwhal.config.root import Config, parse_config
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import Delivery, PrefillResult
+from narwhal.engines.decode_stream import DecodeStream
+from narwhal.fleet.breaker import Breaker
+from narwhal.fleet.table import Fleet
+from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
+from narwhal.protocol.errors import NarwhalError
+from narwhal.router.abandoned import AbandonedHandoffs
+from narwhal.router.attempt import Attempt
+from narwhal.router.budget import RetryBudget
+from narwhal.router.call import Call
+from narwhal.router.outcome import Outcome
+from narwhal.router.releases import Releases
+from narwhal.router.retry import Retries
+
+MODEL = "m"
+DESCRIPTOR = b'{"do_remote_prefill":true,"remote_block_ids":[1],"remote_host":"127.0.0.1"}'
+
+
+class FakeStream:
+    """What a decode leg hands the relay: it only knows its engine and whether it closed."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.closed = False
+
+    async def __aenter__(self) -> FakeStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeLegs:
+    """Scripted legs: `faults[engine]` are raised by that engine's legs, one per leg, in
+    order; an engine with none left answers well. `legs` records (kind, engine)."""
+
+    faults: dict[str, list[NarwhalError]] = field(default_factory=dict)
+    descriptor: bytes | None = DESCRIPTOR
+    # Seconds added to a prefill's start, as if its answer had come that much later.
+    age_s: float = 0.0
+    legs: list[tuple[str, str]] = field(default_factory=list)
+    streams: list[FakeStream] = field(default_factory=list)
+
+    def _fault(self, engine: str) -> None:
+        pending = self.faults.get(engine)
+        if pending:
+            raise pending.pop(0)
+
+    async def prefill(
+        self,
+        producer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        same_worker: bool = False,
+        request_id: str | None = None,
+        engine: str | None = None,
+        kv_hosts: Iterable[str] = (),
+        trace: bytes = b"",
+    ) -> PrefillResult:
+        name = engine or producer_url
+        self.legs.append(("prefill", name))
+        self._fault(name)
+        started = asyncio.get_running_loop().time() - self.age_s
+        descriptor = None if same_worker else self.descriptor
+        return PrefillResult(
+            producer_url, endpoint, request_id or "x", descriptor, started, 3, producer=name
+        )
+
+    async def handoff_descriptor(
+        self, consumer_url: str, endpoint: str, result: PrefillResult
+    ) -> bytes | None:
+        return result.descriptor
+
+    async def send_decode(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        drop_usage: bool = False,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+    ) -> DecodeStream:
+        name = engine or consumer_url
+        self.legs.append(("decode", name))
+        self._fault(name)
+        if delivery is not None:
+            delivery.written = True
+        stream = FakeStream(name)
+        self.streams.append(stream)
+        return cast(DecodeStream, stream)
+
+
+def config(engines: Iterable[tuple[str, str]], **sections: Mapping[str, object]) -> Config:
+    """A fleet file: `engines` as (id, role) pairs on unreachable ports."""
+    listed = [
+        {"id": engine, "url": f"http://127.0.0.1:{9 + i}", "role": role}
+        for i, (engine, role) in enumerate(engines)
+    ]
+    return parse_config({"model": MODEL, **sections, "engines": listed})
+
+
+def request(**body: object) -> ClientRequest:
+    raw = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **body}
+    return parse_client_request(Endpoint.COMPLETIONS, orjson.dumps(raw), MODEL)
+
+
+def call(deadline_s: float = 60.0) -> Call:
+    return Call(
+        request_id="r1",
+        client_request_id=None,
+        endpoint=Endpoint.COMPLETIONS,
+        arrival=time.perf_counter(),
+        deadline=asyncio.get_running_loop().time() + deadline_s,
+    )
+
+
+@dataclass
+class Path:
+    """The request path's mechanism around fake legs."""
+
+    config: Config
+    legs: FakeLegs
+    fleet: Fleet
+    breaker: Breaker
+    outcome: Outcome
+    attempt: Attempt
+    retries: Retries
+    abandoned: AbandonedHandoffs
+    released: list[str]
+
+    def seats_held(self) -> int:
+        return sum(e.prefill_seats + e.decode_seats for e in self.fleet.engines)
+
+
+def path(settings: Config, legs: FakeLegs) -> Path:
+    fleet = Fleet(settings.engines)
+    recovery = settings.recovery
+    breaker = Breaker(fleet, recovery.eject_after, recovery.max_ejected_fraction)
+    serving, continuation = settings.serving, settings.continuation
+    outcome = Outcome(
+        fleet,
+        breaker,
+        RetryBudget(serving.retry_budget, serving.retry_replenish),
+        RetryBudget(continuation.budget, continuation.replenish),
+        failure_quarantine_s=recovery.failure_quarantine_s,
+    )
+    abandoned = AbandonedHandoffs()
+    released: list[str] = []
+
+    def spawn(coroutine: Coroutine[Any, Any, None], name: str) -> None:
+        # The test runs no background: a release is noted by name, never run.
+        coroutine.close()
+        released.append(name)
+
+    releases = Releases(cast(EngineClient, legs), abandoned, 1.0, spawn)
+    attempt = Attempt(settings, legs, fleet, outcome, abandoned, releases)
+    retries = Retries(attempt, outcome)
+    return Path(settings, legs, fleet, breaker, outcome, attempt, retries, abandoned, released)
