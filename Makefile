@@ -81,7 +81,7 @@ tiny-model: $(TINY_STAMP)
 
 # Record real vLLM's answers to the simulator's fidelity cases (tests/data/vllm), anew.
 record-vllm: $(STAMP) $(TINY_STAMP)
-	$(PY) tests/fidelity.py
+	PYTHONPATH=tests $(PY) -m support.fidelity
 
 # A prefill and a decode vLLM engine on the CPU behind a real router.
 real: $(STAMP) $(TINY_STAMP)

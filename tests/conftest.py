@@ -11,7 +11,7 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
-from support import StackFactory, stack_factory
+from support.stack import StackFactory, stack_factory
 
 # A shared machine is slow at times: property tests judge results, never their speed. In CI
 # the examples are the same every run, so that a submission's result is reproducible.

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.engines.http import ConnectionPool, Origin
-from support import COMPLETION, Stack, StackFactory, arm, router_state, settled
+from support.stack import COMPLETION, Stack, StackFactory, arm, router_state, settled
 
 STREAM = {**COMPLETION, "stream": True}
 LONG_PROMPT = {**STREAM, "prompt": "whales sing " * 40}

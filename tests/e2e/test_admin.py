@@ -8,7 +8,7 @@ from typing import Any
 
 from narwhal.config.secrets import Secrets
 from narwhal.tools.sim.fleet import SimFleet
-from support import COMPLETION, FAST, Stack, StackFactory, router_state, settled
+from support.stack import COMPLETION, FAST, Stack, StackFactory, router_state, settled
 
 ADMIN_KEY = "sk-admin-1111111111"
 CLIENT_KEY = "sk-client-2222222222"

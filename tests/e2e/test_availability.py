@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from support import (
+from support.stack import (
     COMPLETION,
     Stack,
     StackFactory,

@@ -7,7 +7,7 @@ from typing import Any
 
 from openai.types.chat import ChatCompletionMessageParam
 
-from support import MODEL, StackFactory, router_state
+from support.stack import MODEL, StackFactory, router_state
 
 ROLES = (("p0", "prefill"), ("p1", "prefill"), ("p2", "prefill"), ("d0", "decode"))
 
@@ -17,7 +17,7 @@ def words(seed: str, count: int) -> str:
 
 
 async def test_a_conversation_stays_with_its_cached_prefix(make_stack: StackFactory) -> None:
-    # A lenient load bound: the bound itself is the unit tests' (tests/router).
+    # A lenient load bound: the bound itself is the unit tests' (tests/fleet/test_placement.py).
     placement: dict[str, Any] = {"policy": "prefix", "load_slack": 10.0}
     sim = {"enable_prompt_tokens_details": True}
     async with make_stack(ROLES, sim=sim, placement=placement) as stack:

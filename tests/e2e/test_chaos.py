@@ -8,7 +8,7 @@ import sys
 
 from narwhal.protocol.errors import Cause, engine_error
 from narwhal.tools.chaos import FAULTS, OUTAGE, ChaosOptions, format_report, run_chaos
-from support import COMPLETION, StackFactory, engine_state
+from support.stack import COMPLETION, StackFactory, engine_state
 
 QUICK = {"eject_after": 1, "readmit_interval_s": 0.1, "max_ejected_fraction": 1.0}
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from narwhal.engines.release import RELEASE_MODEL
 from narwhal.protocol.descriptor import prefill_request_params
-from support import CHAT, COMPLETION, MODEL, Stack, StackFactory, settled
+from support.stack import CHAT, COMPLETION, MODEL, Stack, StackFactory, settled
 
 ROUTES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 FIELDS = {

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from support import (
+from support.stack import (
     CHAT,
     COMPLETION,
     Stack,

@@ -23,11 +23,11 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
-from kube_api import KubeApi, pod, set_ready
-from load_support import WAIT_S, Load, until
 from narwhal.tools.sim.fleet import SimFleet
-from support import FAST, MODEL, serve_process
-from workers_support import post_fresh, serve_workers
+from support.kube_api import KubeApi, pod, set_ready
+from support.load import WAIT_S, Load, until
+from support.stack import FAST, MODEL, serve_process
+from support.workers import post_fresh, serve_workers
 
 # Long enough that drains meet requests still streaming there.
 SIM = replace(FAST, inter_token_s=0.01)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import COMPLETION, StackFactory, arm, settled, sse_payloads, terminal_error
+from support.stack import COMPLETION, StackFactory, arm, settled, sse_payloads, terminal_error
 
 STREAM = {**COMPLETION, "stream": True}
 

@@ -17,7 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from fake_engine import (
+from narwhal.protocol.sse import SseDecoder
+from support.fake_engine import (
     CHAT,
     COMPLETIONS,
     DESCRIPTOR,
@@ -44,7 +45,6 @@ from fake_engine import (
     terminal_code,
     text_of,
 )
-from narwhal.protocol.sse import SseDecoder
 
 # Streams that are actually valid ---------------------------------------------------------
 

@@ -8,7 +8,7 @@ import gzip
 import json
 from typing import Any
 
-from support import COMPLETION, Stack, StackFactory, settled, sse_payloads
+from support.stack import COMPLETION, Stack, StackFactory, settled, sse_payloads
 
 
 async def _open(stack: Stack) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

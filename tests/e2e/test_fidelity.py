@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from support import CHAT, COMPLETION, MODEL, StackFactory
+from support.stack import CHAT, COMPLETION, MODEL, StackFactory
 
 
 async def test_an_engine_400_reaches_the_openai_client_with_its_param(

@@ -21,9 +21,9 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
-from load_support import WAIT_S, Load, until
 from narwhal.tools.sim.fleet import SimFleet
-from support import FAST, MODEL, serve_process
+from support.load import WAIT_S, Load, until
+from support.stack import FAST, MODEL, serve_process
 
 ADMIN_KEY = "sk-admin-3333333333"
 CLIENTS = 8

@@ -15,7 +15,7 @@ from narwhal.config.secrets import Secrets
 from narwhal.control.controller import Observation, PhaseLoad
 from narwhal.fleet.lifecycle import Event
 from narwhal.http.page import ASSET_TYPES
-from support import COMPLETION, Stack, StackFactory, arm
+from support.stack import COMPLETION, Stack, StackFactory, arm
 
 FOUR = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
 CHROMIUM_ARGS = [

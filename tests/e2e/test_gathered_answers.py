@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fake_engine import (
+from support.fake_engine import (
     CHAT,
     COMPLETIONS,
     DONE,

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.commands.cli import main
 from narwhal.observe.events import configure_logging
-from support import (
+from support.stack import (
     CHAT,
     COMPLETION,
     Stack,

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from support import COMPLETION, StackFactory, arm, settled, terminal_error
+from support.stack import COMPLETION, StackFactory, arm, settled, terminal_error
 
 STREAM = {**COMPLETION, "stream": True}
 TWO_PRODUCERS = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))

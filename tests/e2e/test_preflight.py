@@ -15,7 +15,7 @@ from narwhal.config.root import Config, parse_config
 from narwhal.fleet.preflight import format_report, run_preflight, transfer_pairs
 from narwhal.tools.sim.faults import Fault
 from narwhal.tools.sim.fleet import SimFleet
-from support import CONTRACT, FAST, MODEL, serve_process
+from support.stack import CONTRACT, FAST, MODEL, serve_process
 
 ROLES = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
 

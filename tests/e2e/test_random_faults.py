@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from support import COMPLETION, StackFactory, arm, settled
+from support.stack import COMPLETION, StackFactory, arm, settled
 
 FLEET = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
 REQUESTS = 300

@@ -12,7 +12,7 @@ from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.readmission import Verdict
 from narwhal.fleet.table import Engine
 from narwhal.protocol.errors import Cause, engine_error
-from support import (
+from support.stack import (
     COMPLETION,
     CONTRACT,
     Stack,

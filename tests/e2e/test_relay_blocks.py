@@ -12,11 +12,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from fake_engine import prefill_answer
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer, bound_port
 from narwhal.protocol.sse import SseDecoder
-from support import MODEL
+from support.fake_engine import prefill_answer
+from support.stack import MODEL
 
 PREFILL = prefill_answer()
 TOKENS = ("The", " sea", " is", " deep")

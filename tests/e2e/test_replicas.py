@@ -11,8 +11,8 @@ from typing import Any
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer
 from narwhal.tools.sim.fleet import SimFleet
-from support import COMPLETION, FAST, peak_loads
-from workers_support import post_fresh
+from support.stack import COMPLETION, FAST, peak_loads
+from support.workers import post_fresh
 
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
 

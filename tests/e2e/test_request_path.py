@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 
 from narwhal.tools.sim.faults import Fault
-from support import CHAT, COMPLETION, MODEL, StackFactory, direct_text, sse_payloads
+from support.stack import CHAT, COMPLETION, MODEL, StackFactory, direct_text, sse_payloads
 
 
 async def test_openai_client_gets_completions_streamed_and_not(make_stack: StackFactory) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from support import MODEL, StackFactory
+from support.stack import MODEL, StackFactory
 
 ROLES = (("a", "both"), ("b", "both"), ("c", "both"), ("d", "both"))
 START = {

@@ -15,7 +15,7 @@ from narwhal.config.root import parse_config
 from narwhal.config.secrets import Secrets, SecretsError, bearer_allowed, load_secrets
 from narwhal.http.app import RouterServer
 from narwhal.tools.sim.engine import SimEngine
-from support import COMPLETION, FAST, MODEL, StackFactory, settled
+from support.stack import COMPLETION, FAST, MODEL, StackFactory, settled
 
 CLIENT_KEY = "sk-client-0123456789"
 ADMIN_KEY = "sk-admin-9876543210"

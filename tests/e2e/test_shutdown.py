@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from narwhal.tools.sim.fleet import SimFleet
-from support import (
+from support.stack import (
     COMPLETION,
     FAST,
     StackFactory,

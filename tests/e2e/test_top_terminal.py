@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from support import COMPLETION, Stack, StackFactory
+from support.stack import COMPLETION, Stack, StackFactory
 
 # A busy 2-core machine may take a while to start a Python process and draw.
 PATIENCE_S = 30.0

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from narwhal.observe.tracing import Tracing
 from narwhal.protocol.tracecontext import format_traceparent
 from narwhal.tools.sim.engine import Received
-from support import MODEL, StackFactory, arm, settled
+from support.stack import MODEL, StackFactory, arm, settled
 
 TWO_PRODUCERS = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
 CLIENT_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from narwhal.tools.sim.fleet import SimFleet
-from support import FAST, MODEL, serve_process
+from support.stack import FAST, MODEL, serve_process
 
 WAIT_S = 90.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 
 from narwhal.tools.sim.fleet import SimFleet
-from support import FAST, peak_loads
-from workers_support import MODEL, Served, fleet_toml, post_fresh, serve_workers
+from support.stack import FAST, peak_loads
+from support.workers import MODEL, Served, fleet_toml, post_fresh, serve_workers
 
 ROLES = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
 BODY: dict[str, Any] = {"model": MODEL, "prompt": "The sea is deep and", "max_tokens": 4}

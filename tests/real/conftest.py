@@ -18,7 +18,7 @@ import pytest_asyncio
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer
 from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions
-from real_support import (
+from support.real import (
     CONTINUATION,
     FIGURES,
     KV_LEASE_S,

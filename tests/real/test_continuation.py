@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from real_support import CONTINUATION, FIGURES, MODEL, RealStack
+from support.real import CONTINUATION, FIGURES, MODEL, RealStack
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),

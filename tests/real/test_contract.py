@@ -7,7 +7,7 @@ import pytest
 
 from narwhal.config.root import parse_config
 from narwhal.fleet.preflight import format_report, run_preflight
-from real_support import MODEL, RealStack
+from support.real import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from fidelity import CASES, Case, capture, differences, load
-from real_support import MODEL, RealStack
+from support.fidelity import CASES, Case, capture, differences, load
+from support.real import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from real_support import FIGURES, MODEL, RealStack, counter
+from support.real import FIGURES, MODEL, RealStack, counter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from real_support import MODEL, RealStack
+from support.real import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

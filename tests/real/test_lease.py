@@ -8,7 +8,7 @@ import pytest
 
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer
-from real_support import MODEL, RealStack, counter
+from support.real import MODEL, RealStack, counter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -26,7 +26,7 @@ import pytest_asyncio
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer
 from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet, VllmOptions, free_ports
-from real_support import (
+from support.real import (
     FIGURES,
     KV_LEASE_S,
     MODEL,

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from real_support import FIGURES, MODEL, RealStack
+from support.real import FIGURES, MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

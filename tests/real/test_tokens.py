@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from real_support import MODEL, RealStack
+from support.real import MODEL, RealStack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

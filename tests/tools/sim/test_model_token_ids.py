@@ -4,7 +4,7 @@ and generated so that a prompt P + G goes on exactly as P did after G."""
 from __future__ import annotations
 
 from narwhal.tools.sim.model import Generation, Sampling, tokenize
-from support import CHAT, COMPLETION, StackFactory, sse_payloads
+from support.stack import CHAT, COMPLETION, StackFactory, sse_payloads
 
 
 def _run(prompt: list[int], sampling: Sampling, max_tokens: int) -> Generation:

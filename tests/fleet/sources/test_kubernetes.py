@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kube_api import KubeApi, pod, set_ready
 from narwhal.config.discovery import Credentials, DiscoveryConfig
 from narwhal.fleet.sources.kubernetes import Pods, PodWatcher
+from support.kube_api import KubeApi, pod, set_ready
 
 WAIT_S = 30.0
 

@@ -15,7 +15,7 @@ from narwhal.tools.sim.faults import ArmedFaults, Fault, FaultError
 from narwhal.tools.sim.options import SimOptions
 
 if TYPE_CHECKING:
-    from sim.conftest import Sim
+    from tools.sim.conftest import Sim
 
 PROMPT = "Which way do the narwhals swim when the ice closes over the bay?"
 COMPLETIONS = "/v1/completions"

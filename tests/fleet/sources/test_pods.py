@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube_api import pod, set_ready
 from narwhal.config.discovery import DiscoveryConfig
 from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.fleet.sources.pods import Action, Held, PodView, plan, read_pod
+from support.kube_api import pod, set_ready
 
 CONFIG = DiscoveryConfig(enabled=True, label_selector="app=vllm")
 

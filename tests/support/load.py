@@ -9,7 +9,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from support import MODEL
+from support.stack import MODEL
 
 # Generous: a shared 2-core machine may be slow at times; nothing here is timed.
 WAIT_S = 90.0

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from narwhal.tools.sim.fleet import SimFleet
-from support import serve_process
+from support.stack import serve_process
 
 MODEL = "narwhal-sim"
 

@@ -13,7 +13,7 @@ from narwhal.tools.sim.engine import SimEngine
 from narwhal.tools.sim.model import tokenize
 
 if TYPE_CHECKING:
-    from sim.conftest import Sim, Stream
+    from tools.sim.conftest import Sim, Stream
 
 PROMPT = "A narwhal's tusk is a tooth that grows through its upper lip, " * 3
 PREFILL_PARAMS = prefill_request_params()

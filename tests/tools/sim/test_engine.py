@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from narwhal.tools.sim.engine import SimEngine
 
 if TYPE_CHECKING:
-    from sim.conftest import Sim
+    from tools.sim.conftest import Sim
 
 PROMPT = "Tell me about the narwhals of the northern fjords, and why they sing at night."
 

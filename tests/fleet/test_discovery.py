@@ -8,7 +8,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from kube_api import pod, set_ready
 from narwhal.config.discovery import DiscoveryConfig
 from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.config.root import Config
@@ -16,6 +15,7 @@ from narwhal.fleet.discovery import SOURCE, FleetDiscovery
 from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.table import EngineEvent, Fleet
+from support.kube_api import pod, set_ready
 
 STATIC = (EngineSpec("static-p", "http://10.0.0.1:1", Role.PREFILL),)
 CONFIG = DiscoveryConfig(enabled=True, namespace="engines", label_selector="app=vllm")

@@ -34,8 +34,8 @@ from narwhal.config.root import (
 )
 from narwhal.config.tracing import TracingConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 MINIMAL: dict[str, Any] = {
     "model": "m",

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from fidelity import CASES, Case, capture, differences, load
 from narwhal.tools.sim.engine import SimEngine
-from sim.conftest import FAST
+from support.fidelity import CASES, Case, capture, differences, load
+from tools.sim.conftest import FAST
 
 RECORDINGS = load()
 MODEL = "narwhal-sim"

@@ -13,7 +13,7 @@ from narwhal.engines.connector import PrefillResult
 from narwhal.protocol.errors import NarwhalError
 from narwhal.tools.sim.faults import Fault
 from narwhal.tools.sim.fleet import SimFleet
-from support import COMPLETION, FAST, direct_text
+from support.stack import COMPLETION, FAST, direct_text
 
 ROUTE = "/v1/completions"
 

@@ -19,7 +19,7 @@ from openai import AsyncOpenAI
 from narwhal.http.app import RouterServer
 from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # not resolved: a venv's python is a link
 TINY_MODEL = ROOT / ".cache" / "tiny-model"
 MODEL = "narwhal-tiny"

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from support import COMPLETION, arm, stack_factory
+from support.stack import COMPLETION, arm, stack_factory
 
-DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 # Series Prometheus makes itself, and labels its scrape adds to every series.
 PROMETHEUS_SERIES = {"up": {"job", "instance"}}
 TARGET_LABELS = {"job", "instance"}

@@ -18,7 +18,7 @@ from narwhal.tools.sim.options import SimOptions
 from narwhal.tools.sim.serve import CRASH_EXIT_CODE
 
 if TYPE_CHECKING:
-    from sim.conftest import Sim
+    from tools.sim.conftest import Sim
 
 LISTENING = re.compile(rb"narwhal sim (\S+) listening on (http://\S+) \(side channel (\S+)\)")
 

@@ -23,7 +23,7 @@ import orjson
 
 from narwhal.protocol.descriptor import prefill_request_params
 
-FIXTURES = Path(__file__).resolve().parent / "data" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "vllm"
 # The `/metrics` series the router reads; the simulator must publish each one.
 ROUTER_READS = frozenset(
     {
@@ -285,7 +285,7 @@ async def record_fresh_engine() -> dict[str, dict[str, Any]]:
     """Start a real producer engine as the real-engine suite does (a reasoning parser on),
     and record it."""
     from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions
-    from real_support import KV_LEASE_S, MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON
+    from support.real import KV_LEASE_S, MODEL, REASONING_PARSER, ROOT, TINY_MODEL, VLLM_PYTHON
 
     options = VllmOptions(
         python=VLLM_PYTHON,

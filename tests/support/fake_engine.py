@@ -18,7 +18,7 @@ from aiohttp import web
 from narwhal.config.root import parse_config
 from narwhal.http.app import RouterServer, bound_port
 from narwhal.protocol.sse import SseDecoder
-from support import MODEL
+from support.stack import MODEL
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
