@@ -66,7 +66,9 @@ async def test_random_faults_and_disconnects_leave_nothing_behind(
         # A client that gives up within milliseconds may do so before its request reaches
         # the router: what arrived is what must be recorded.
         arrived: list[str] = []
-        stack.server.router.arrival_hooks.append(lambda call: arrived.append(call.request_id))
+        stack.server.router.requests.arrival_hooks.append(
+            lambda call: arrived.append(call.request_id)
+        )
         semaphore = asyncio.Semaphore(CONCURRENCY)
 
         async def run(index: int) -> str:

@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from narwhal.tools.sim.fleet import SimFleet
 from support.stack import COMPLETION, FAST, peak_loads
 from support.workers import post_fresh

@@ -11,9 +11,9 @@ import aiohttp
 import openai
 import pytest
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
 from narwhal.config.secrets import Secrets, SecretsError, bearer_allowed, load_secrets
-from narwhal.http.app import RouterServer
 from narwhal.tools.sim.engine import SimEngine
 from support.stack import COMPLETION, FAST, MODEL, StackFactory, settled
 

@@ -10,9 +10,9 @@ from typing import Any, cast
 
 import pytest
 
+from narwhal.app.process import Router
 from narwhal.http.front import Front, FrontConnection, FrontReply
 from narwhal.protocol.bodies import Endpoint
-from narwhal.router.pipeline import Router
 
 
 class Transport:

@@ -10,6 +10,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from narwhal.app.process import Router
 from narwhal.config.root import parse_config
 from narwhal.engines.gaps import TokenGaps
 from narwhal.engines.handoff import DescriptorRejected
@@ -20,7 +21,6 @@ from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.descriptor import Defect
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.call import Call, Stage
-from narwhal.router.pipeline import Router
 from narwhal.runtime.ranks import nearest_rank
 
 

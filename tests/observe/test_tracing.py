@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from narwhal.app.process import _start_tracing
 from narwhal.config.root import parse_config
 from narwhal.config.tracing import TracingSettings
 from narwhal.observe.tracing import Tracing
@@ -16,7 +17,6 @@ from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.protocol.tracecontext import parse_traceparent
 from narwhal.router.call import Call, Stage
-from narwhal.router.pipeline import _start_tracing
 
 CONFIG = parse_config(
     {

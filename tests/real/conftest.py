@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from narwhal.tools.vllm_fleet import VllmFleet, VllmOptions
 from support.real import (
     CONTINUATION,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from support.real import MODEL, RealStack, counter
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer
 from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet, VllmOptions, free_ports
 from support.real import (
     FIGURES,
@@ -135,7 +135,7 @@ async def test_kv_events_keep_the_index_right_after_evictions(
                 def note(call: Any, now: float) -> None:
                     outcome.append((call.prefix_matched, call.attempts))
 
-                server.router.call_hooks.append(note)
+                server.router.requests.call_hooks.append(note)
                 try:
                     body = {"model": MODEL, "prompt": text, "max_tokens": 2}
                     async with http.post(server.url + "/v1/completions", json=body) as response:
@@ -147,7 +147,7 @@ async def test_kv_events_keep_the_index_right_after_evictions(
                             break
                         await asyncio.sleep(0.01)
                 finally:
-                    server.router.call_hooks.remove(note)
+                    server.router.requests.call_hooks.remove(note)
                 hits = await counter(engine, "vllm:prefix_cache_hits_total") - before
                 (matched, attempts), *_ = outcome
                 return matched, hits, attempts

@@ -15,8 +15,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from narwhal.app.server import RouterServer, bound_port
 from narwhal.config.root import parse_config
-from narwhal.http.app import RouterServer, bound_port
 from narwhal.protocol.sse import SseDecoder
 from support.stack import MODEL
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from openai import AsyncOpenAI
 
-from narwhal.http.app import RouterServer
+from narwhal.app.server import RouterServer
 from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet
 
 ROOT = Path(__file__).resolve().parents[2]

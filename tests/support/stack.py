@@ -17,9 +17,9 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
+from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
 from narwhal.config.secrets import Secrets
-from narwhal.http.app import RouterServer
 from narwhal.observe.tracing import Tracing
 from narwhal.tools.sim.engine import SimEngine
 from narwhal.tools.sim.faults import Fault
