@@ -3,6 +3,7 @@ gets one complete answer, equal to the uninterrupted one (greedy, on the simulat
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,14 +11,23 @@ import pytest
 from support.stack import (
     CHAT,
     COMPLETION,
+    LANES,
     Stack,
     StackFactory,
     arm,
     router_state,
     settled,
     sse_payloads,
+    stack_factory,
     terminal_error,
 )
+
+
+@pytest.fixture(params=LANES)
+def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> StackFactory:
+    """A continued answer is written through either server's reply: both run every test."""
+    return stack_factory(tmp_path, lane=request.param)
+
 
 TWO_CONSUMERS = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
 # Greedy answers long enough to be cut in the middle.

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from support.stack import COMPLETION, StackFactory, arm, settled, sse_payloads, terminal_error
+from support.stack import (
+    COMPLETION,
+    LANES,
+    StackFactory,
+    arm,
+    settled,
+    sse_payloads,
+    stack_factory,
+    terminal_error,
+)
+
+
+@pytest.fixture(params=LANES)
+def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> StackFactory:
+    """The request path's core: every test here runs over both client-facing servers."""
+    return stack_factory(tmp_path, lane=request.param)
+
 
 STREAM = {**COMPLETION, "stream": True}
 

@@ -9,11 +9,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import orjson
 from openai import AsyncOpenAI
 
@@ -37,19 +38,33 @@ FAST = SimOptions(
     slowdown_per_seq=0.0,
 )
 CROSSED = (("p0", "prefill"), ("d0", "decode"))
+# The two client-facing servers a request may meet: the fast lane (`http.front`) serves the
+# usual request; a request with a content coding, even `identity`, goes to aiohttp.
+LANES = ("fast", "aiohttp")
+_OFF_LANE = {"Content-Encoding": "identity"}
 # How long the router may take to settle and to write its journal after the last request:
 # milliseconds on an idle machine, seconds on a busy one.
 SETTLE_WITHIN_S = 20.0
 
 
+def lane_of(server_header: str | None) -> str:
+    """Which server answered: aiohttp names itself in `Server`, the fast lane does not."""
+    return "aiohttp" if "aiohttp" in (server_header or "") else "fast"
+
+
 @dataclass
 class Stack:
-    """One fleet plus one router; `engine(name)` reaches a simulated engine directly."""
+    """One fleet plus one router; `engine(name)` reaches a simulated engine directly.
+
+    Its clients (`openai()`, `http`, `post`) reach the router's `lane`, and note in `lanes`
+    which server answered each of their requests to the router."""
 
     fleet: SimFleet
     server: RouterServer
     journal_path: Path
     http: aiohttp.ClientSession
+    lane: str = "fast"
+    lanes: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -59,7 +74,23 @@ class Stack:
         return next(e for e in self.fleet.engines if e.options.name == name)
 
     def openai(self, **kwargs: Any) -> AsyncOpenAI:
-        return AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+        headers = {
+            **(_OFF_LANE if self.lane == "aiohttp" else {}),
+            **kwargs.pop("default_headers", {}),
+        }
+
+        async def note(response: httpx2.Response) -> None:
+            self.lanes.append(lane_of(response.headers.get("server")))
+
+        client = httpx2.AsyncClient(event_hooks={"response": [note]})
+        return AsyncOpenAI(
+            base_url=self.url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers=headers,
+            http_client=client,
+            **kwargs,
+        )
 
     async def journal(self, expect: int = 1, kind: str | None = None) -> list[dict[str, Any]]:
         """The journal's lines (of `type` `kind`, or all) once there are at least `expect`.
@@ -98,8 +129,9 @@ class Stack:
 StackFactory = Callable[..., AbstractAsyncContextManager[Stack]]
 
 
-def stack_factory(tmp_path: Path) -> StackFactory:
-    """`async with make_stack(roles, engine={...}, sim={...}) as stack:`"""
+def stack_factory(tmp_path: Path, lane: str = "fast") -> StackFactory:
+    """`async with make_stack(roles, engine={...}, sim={...}) as stack:`; `lane`: which of
+    the two client-facing servers the stack's clients reach (`LANES`)."""
 
     @asynccontextmanager
     async def factory(
@@ -113,7 +145,8 @@ def stack_factory(tmp_path: Path) -> StackFactory:
         **sections: dict[str, Any],
     ) -> AsyncIterator[Stack]:
         """`sim` applies to every engine, `sim_by_engine` to one; `engine_keys` adds
-        `[[engines]]` keys by engine id; `tracer` replaces the router's tracing."""
+        `[[engines]]` keys by engine id; `tracer` replaces the router's tracing. The
+        clients reach the router's `lane` server; leaving checks that they all did."""
         options = [
             replace(FAST, name=name, **(sim or {}), **(sim_by_engine or {}).get(name, {}))
             for name, _ in roles
@@ -140,11 +173,25 @@ def stack_factory(tmp_path: Path) -> StackFactory:
             )
             server = RouterServer(config, port=0, secrets=secrets, tracing=tracer)
             await server.start()
+            lanes: list[str] = []
+
+            async def note(
+                session: aiohttp.ClientSession, context: Any, end: aiohttp.TraceRequestEndParams
+            ) -> None:
+                if end.url.port == server.port:
+                    lanes.append(lane_of(end.response.headers.get("Server")))
+
+            tracing = aiohttp.TraceConfig()
+            tracing.on_request_end.append(note)
+            headers = _OFF_LANE if lane == "aiohttp" else None
             try:
-                async with aiohttp.ClientSession() as http:
-                    yield Stack(fleet, server, journal_path, http)
+                async with aiohttp.ClientSession(headers=headers, trace_configs=[tracing]) as http:
+                    stack = Stack(fleet, server, journal_path, http, lane, lanes)
+                    yield stack
             finally:
                 await server.stop()
+            # Only requests to the two OpenAI routes may go the fast lane.
+            assert lane == "fast" or set(lanes) <= {"aiohttp"}, lanes
 
     return factory
 
