@@ -11,7 +11,7 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
-from support.stack import StackFactory, stack_factory
+from support.stack import LANES, StackFactory, stack_factory
 
 # A shared machine is slow at times: property tests judge results, never their speed. In CI
 # the examples are the same every run, so that a submission's result is reproducible.
@@ -26,7 +26,25 @@ def pytest_asyncio_loop_factories(
     return {"uvloop": uvloop.new_event_loop}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_lanes: every test runs over both client-facing servers (`lane`)"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "lane" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_lanes"):
+        metafunc.parametrize("lane", LANES)
+
+
 @pytest.fixture
-def make_stack(tmp_path: Path) -> StackFactory:
+def lane() -> str:
+    """The server the stack's clients reach: the fast lane, unless the test is marked
+    `both_lanes`, which runs it over each."""
+    return "fast"
+
+
+@pytest.fixture
+def make_stack(tmp_path: Path, lane: str) -> StackFactory:
     """`async with make_stack(roles, engine={...}, sim={...}) as stack:` (see `support`)."""
-    return stack_factory(tmp_path)
+    return stack_factory(tmp_path, lane)

@@ -3,7 +3,6 @@ gets one complete answer, equal to the uninterrupted one (greedy, on the simulat
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,22 +10,17 @@ import pytest
 from support.stack import (
     CHAT,
     COMPLETION,
-    LANES,
     Stack,
     StackFactory,
     arm,
     router_state,
     settled,
     sse_payloads,
-    stack_factory,
     terminal_error,
 )
 
-
-@pytest.fixture(params=LANES)
-def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> StackFactory:
-    """A continued answer is written through either server's reply: both run every test."""
-    return stack_factory(tmp_path, lane=request.param)
+# The core of the request path: over the fast lane and over aiohttp alike.
+pytestmark = pytest.mark.both_lanes
 
 
 TWO_CONSUMERS = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from support.stack import (
     COMPLETION,
-    LANES,
     StackFactory,
     arm,
     settled,
     sse_payloads,
-    stack_factory,
     terminal_error,
 )
 
-
-@pytest.fixture(params=LANES)
-def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> StackFactory:
-    """The request path's core: every test here runs over both client-facing servers."""
-    return stack_factory(tmp_path, lane=request.param)
+# The core of the request path: over the fast lane and over aiohttp alike.
+pytestmark = pytest.mark.both_lanes
 
 
 STREAM = {**COMPLETION, "stream": True}

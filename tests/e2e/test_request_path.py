@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,19 +13,14 @@ from narwhal.tools.sim.faults import Fault
 from support.stack import (
     CHAT,
     COMPLETION,
-    LANES,
     MODEL,
     StackFactory,
     direct_text,
     sse_payloads,
-    stack_factory,
 )
 
-
-@pytest.fixture(params=LANES)
-def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> StackFactory:
-    """The request path's core: every test here runs over both client-facing servers."""
-    return stack_factory(tmp_path, lane=request.param)
+# The core of the request path: over the fast lane and over aiohttp alike.
+pytestmark = pytest.mark.both_lanes
 
 
 async def test_openai_client_gets_completions_streamed_and_not(make_stack: StackFactory) -> None:
