@@ -62,3 +62,20 @@ def test_moved_counts_the_difference_and_starts_again_after_a_restart() -> None:
     assert moved(before, after, EXTERNAL) == 50.0
     assert moved(after, before, EXTERNAL) == 300.0 + 20.0  # counters went down: a new process
     assert moved(before, after, "unknown") == 0.0
+
+
+def test_the_queue_time_histogram_reads_as_its_sum_and_count_over_ranks() -> None:
+    text = b"""\
+# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="tiny"} 2.0
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 3.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="tiny"} 3.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 4.5
+vllm:request_queue_time_seconds_count{engine="1",model_name="tiny"} 1.0
+vllm:request_queue_time_seconds_sum{engine="1",model_name="tiny"} 0.5
+vllm:request_queue_time_seconds_created{engine="0",model_name="tiny"} 1.7e9
+"""
+    report = parse_report(text)
+    assert (report.queue_time_sum, report.queue_time_count) == (5.0, 4.0)
+    assert parse_report(VLLM_TEXT).queue_time_count is None

@@ -1,7 +1,9 @@
 """What an engine reports about itself in `/metrics`, read from vLLM's Prometheus text.
 
 Only the series the router uses are read: the engine's own load (requests running and
-waiting, KV-cache usage) and where its prompt tokens came from. vLLM 0.32 counts prompt
+waiting, KV-cache usage, and the time requests spent waiting in its queue, from the
+`vllm:request_queue_time_seconds` histogram's sum and count) and where its prompt tokens
+came from. vLLM 0.32 counts prompt
 tokens by source in `vllm:prompt_tokens_by_source_total{source=...}`: `local_compute`
 (computed here), `local_cache_hit` (found in its prefix cache) and `external_kv_transfer`
 (pulled over the KV connector) — the one proof that a consumer used the blocks a producer
@@ -24,11 +26,20 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source"
+QUEUE_TIME_SUM = "vllm:request_queue_time_seconds_sum"
+QUEUE_TIME_COUNT = "vllm:request_queue_time_seconds_count"
 EXTERNAL = "external_kv_transfer"
 LOCAL_COMPUTE = "local_compute"
 
 _SOURCE = re.compile(r'source="([^"]*)"')
-_WANTED = (RUNNING, WAITING, KV_CACHE_USAGE, PROMPT_TOKENS_BY_SOURCE)
+_WANTED = (
+    RUNNING,
+    WAITING,
+    KV_CACHE_USAGE,
+    PROMPT_TOKENS_BY_SOURCE,
+    QUEUE_TIME_SUM,
+    QUEUE_TIME_COUNT,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +50,9 @@ class EngineReport:
     waiting: float | None = None
     kv_cache_usage: float | None = None
     prompt_tokens: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # Seconds requests waited in the engine's queue, summed, and how many were counted.
+    queue_time_sum: float | None = None
+    queue_time_count: float | None = None
 
     @property
     def counts_sources(self) -> bool:
@@ -68,6 +82,8 @@ def parse_report(text: bytes) -> EngineReport:
         waiting=sums.get(WAITING),
         kv_cache_usage=sums.get(KV_CACHE_USAGE),
         prompt_tokens=MappingProxyType(sources),
+        queue_time_sum=sums.get(QUEUE_TIME_SUM),
+        queue_time_count=sums.get(QUEUE_TIME_COUNT),
     )
 
 

@@ -344,6 +344,10 @@ async def test_metrics_show_running_and_waiting_requests(sim: Sim) -> None:
     results = await asyncio.gather(*requests)
     assert [status for status, _ in results] == [200, 200, 200]
     assert engine.running_count() == engine.waiting_count() == 0
+    # vLLM's queue time histogram: every request counted, two of them after a wait.
+    text = (await sim.get(engine, "/metrics"))[1].decode()
+    assert _metric(text, "vllm:request_queue_time_seconds_count") == 3
+    assert _metric(text, "vllm:request_queue_time_seconds_sum") > 0
 
 
 async def test_kv_block_budget_makes_requests_wait(sim: Sim) -> None:

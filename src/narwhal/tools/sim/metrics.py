@@ -62,6 +62,15 @@ def render_metrics(
         "KV-cache usage, 1 means 100 percent.",
         [(labels, scheduler.kv_usage)],
     )
+    # vLLM's histogram, its sum and count (and the one bucket that holds every request).
+    name = "vllm:request_queue_time_seconds"
+    lines += [
+        f"# HELP {name} Histogram of time spent in WAITING phase for request.",
+        f"# TYPE {name} histogram",
+        f'{name}_bucket{{{labels},le="+Inf"}} {float(scheduler.queue_time_count)}',
+        f"{name}_sum{{{labels}}} {scheduler.queue_time_sum}",
+        f"{name}_count{{{labels}}} {float(scheduler.queue_time_count)}",
+    ]
     # An info metric: a gauge at 1 whose labels are the cache configuration.
     cache_config = (
         f'block_size="{options.kv_block_size}",cache_dtype="auto",'

@@ -22,6 +22,8 @@ class Seat:
 class _Waiter:
     blocks: int
     admitted: asyncio.Future[Seat]
+    # When it joined the queue (event-loop seconds).
+    since: float = 0.0
 
 
 class Scheduler:
@@ -33,6 +35,10 @@ class Scheduler:
         self._free_blocks: deque[int] = deque(range(num_kv_blocks))
         self._running: set[Seat] = set()
         self._waiting: deque[_Waiter] = deque()
+        # Seconds admitted requests waited in the queue, and how many were admitted (vLLM's
+        # `vllm:request_queue_time_seconds` sum and count).
+        self.queue_time_sum = 0.0
+        self.queue_time_count = 0
 
     @property
     def running(self) -> int:
@@ -50,8 +56,10 @@ class Scheduler:
     async def admit(self, blocks: int) -> Seat:
         """Wait for a seat with `blocks` KV blocks; cancelling the wait leaves the queue."""
         if not self._waiting and self._fits(blocks):
+            self.queue_time_count += 1
             return self._seat(blocks)
-        waiter = _Waiter(blocks, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(blocks, loop.create_future(), loop.time())
         self._waiting.append(waiter)
         try:
             return await waiter.admitted
@@ -92,4 +100,6 @@ class Scheduler:
         while self._waiting and self._fits(self._waiting[0].blocks):
             waiter = self._waiting.popleft()
             if not waiter.admitted.cancelled():
+                self.queue_time_count += 1
+                self.queue_time_sum += asyncio.get_running_loop().time() - waiter.since
                 waiter.admitted.set_result(self._seat(waiter.blocks))
