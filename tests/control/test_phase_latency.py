@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from narwhal.control.phase_latency import PhaseLatency, Sample, sample_of
 from narwhal.protocol.bodies import Endpoint
-from narwhal.router.call import Call
+from narwhal.router.call import Call, Stage
 
 
 def call(**fields: object) -> Call:
@@ -66,3 +66,68 @@ def test_the_ttft_parts_count_at_the_first_token_and_tpot_at_the_end() -> None:
     failed = call(status=502, ttft_s=0.3, first_byte_s=0.4, output_tokens=3)
     latency.add(failed, 12.6)
     assert latency.window(12.7, 5.0).tpot.samples == 1
+
+
+def waiting(request_id: str, arrival: float, stage: Stage, ttft_s: float | None = None) -> Call:
+    pending = Call(request_id, None, Endpoint.COMPLETIONS, arrival=arrival, deadline=99.0)
+    pending.stage, pending.ttft_s = stage, ttft_s
+    return pending
+
+
+def test_requests_still_waiting_past_the_objective_count_with_their_ages() -> None:
+    latency = PhaseLatency()
+    latency.arrived(waiting("old", 0.0, Stage.PREFILL))  # 10 s in the producer's queue
+    latency.arrived(waiting("queued", 4.0, Stage.QUEUED))  # 6 s waiting for a seat
+    latency.arrived(waiting("young", 9.5, Stage.PREFILL))  # within the objective
+    latency.arrived(waiting("reading", 0.0, Stage.ADMISSION))  # the client's upload
+    # Past its descriptor 3 s ago (its producer answered at 1 s): the first-token wait.
+    latency.arrived(waiting("pulling", 6.0, Stage.DECODE, ttft_s=1.0))
+    assert latency.open == 5
+    # Without an objective, nothing pending counts (as before).
+    plain = latency.window(10.0, 30.0)
+    assert plain.prefill.samples == 0 and plain.first_token_wait.samples == 0
+    now = latency.window(10.0, 30.0, overdue_s=1.0)
+    assert (now.prefill.samples, now.prefill.pending, now.prefill.p90_s) == (2, 2, 10.0)
+    assert (now.first_token_wait.pending, now.first_token_wait.p90_s) == (1, 3.0)
+    assert now.tpot.samples == 0
+    # As they age, the evidence grows; placed before a move, they are left out.
+    assert latency.window(20.0, 30.0, overdue_s=1.0).prefill.p90_s == 20.0
+    assert latency.window(10.0, 30.0, arrived_since=2.0, overdue_s=1.0).prefill.samples == 1
+
+
+def test_a_first_token_or_a_success_ends_the_wait() -> None:
+    latency = PhaseLatency()
+    served = waiting("r1", 0.0, Stage.DECODE, ttft_s=4.0)
+    latency.arrived(served)
+    served.first_byte_s = 5.0
+    latency.first_token(served, 5.0)
+    window = latency.window(10.0, 30.0, overdue_s=1.0)
+    assert window.prefill.pending == 0 and window.prefill.p90_s == 4.0
+    assert latency.open == 0
+    latency.arrived(quick := waiting("r2", 8.0, Stage.PREFILL))
+    quick.status = 200
+    latency.add(quick, 9.0)
+    assert latency.open == 0 and latency.window(10.0, 30.0, overdue_s=0.1).prefill.pending == 0
+
+
+def test_requests_that_gave_up_waiting_count_in_the_phase_they_waited_on() -> None:
+    latency = PhaseLatency()
+    expired = waiting("expired", 0.0, Stage.HANDOFF, ttft_s=26.0)
+    expired.status, expired.cause = 504, "handoff_expired"
+    timed_out = waiting("queue", 0.0, Stage.QUEUED)
+    timed_out.status, timed_out.cause = 503, "unavailable"
+    left = waiting("left", 10.0, Stage.DECODE, ttft_s=2.0)
+    left.status = 499
+    broken = waiting("broken", 0.0, Stage.PREFILL)
+    broken.status, broken.cause = 502, "connect"
+    for ended in (expired, timed_out, left, broken):
+        latency.arrived(ended)
+        latency.add(ended, 30.0)
+    window = latency.window(31.0, 30.0, overdue_s=1.0)
+    # The expired handoff waited on prefill (its descriptor aged in the producer's queue),
+    # as did the queue timeout; the client gave up 18 s after its descriptor.
+    assert (window.prefill.pending, window.prefill.p90_s) == (2, 30.0)
+    assert (window.first_token_wait.pending, window.first_token_wait.p90_s) == (1, 18.0)
+    assert latency.open == 0
+    # They leave the window as finished requests do.
+    assert latency.window(70.0, 30.0, overdue_s=1.0).prefill.samples == 0

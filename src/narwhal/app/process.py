@@ -128,6 +128,7 @@ class Router:
             self.continuation_counts.add,
         ]
         first_token_hooks: list[CallHook] = []
+        arrival_hooks: list[Callable[[Call], None]] = []
         self.fleet.listeners += [self._journal_engine_event, log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
@@ -143,6 +144,7 @@ class Router:
             latency = PhaseLatency()
             call_hooks.append(latency.add)
             first_token_hooks.append(latency.first_token)
+            arrival_hooks.append(latency.arrived)
             self.controller = ControlLoop(
                 self.fleet, self.operations, config.controller, config.slo, latency
             )
@@ -164,7 +166,7 @@ class Router:
             tracer=self.tracing,
             call_hooks=[*call_hooks, *hooks.ended],
             first_token_hooks=first_token_hooks,
-            arrival_hooks=list(hooks.arrival),
+            arrival_hooks=[*arrival_hooks, *hooks.arrival],
         )
 
     async def start(self) -> None:
