@@ -259,3 +259,100 @@ def test_a_wait_for_the_consumers_first_token_is_decode_pressure() -> None:
     assert decision.reason == TOWARD_DECODE
     assert decision.inputs["first_token_wait_p90_s"] == 3.0
     assert decision.inputs["decode_pressure"] == 3.0
+
+
+# Deep overload: evidence from requests without a first token ------------------------
+
+
+def test_an_overloaded_prefill_moves_an_engine_though_nothing_reaches_decode() -> None:
+    # No request reaches its first token: prefill's evidence is 30 requests waiting past
+    # the objective, decode has no sample at all, and nothing waits for it.
+    blind = Observation(100.0, engines(1, 3), PhaseLoad(12.0, 30, pending=30), PhaseLoad(None, 0))
+    decision = decide(blind, ControlState(), CONFIG, SLO)
+    assert decision.move is not None and decision.move.new is Role.PREFILL
+    assert decision.inputs["idle"] == "decode" and decision.inputs["decode_pressure"] == 0.0
+    # Without knowing decode's load, one engine only.
+    assert decision.more == ()
+
+
+def test_a_phase_without_samples_is_not_idle_while_work_waits_for_it() -> None:
+    waiting_decode = [
+        PhaseLoad(None, 0, waiting=3.0),
+        PhaseLoad(None, 0, queue_time_s=2.0),
+        PhaseLoad(None, 2, wait_p90_s=4.0, pending=2),
+    ]
+    for decode in waiting_decode:
+        observation = Observation(100.0, engines(1, 3), PhaseLoad(12.0, 30, pending=30), decode)
+        assert decide(observation, ControlState(), CONFIG, SLO).reason == "samples"
+    # Nor is an overload that finished requests alone show idle beside it.
+    few = Observation(100.0, engines(1, 3), PhaseLoad(12.0, 30), PhaseLoad(None, 0))
+    assert decide(few, ControlState(), CONFIG, SLO).reason == "samples"
+
+
+def test_pending_first_token_waits_are_decode_evidence() -> None:
+    # Decode's batch is full: requests wait 5 s past their descriptors, few finish.
+    observation = Observation(
+        100.0,
+        engines(3, 1),
+        PhaseLoad(0.1, 40),
+        PhaseLoad(None, 0, wait_p90_s=5.0, pending=20),
+    )
+    decision = decide(observation, ControlState(), CONFIG, SLO)
+    assert decision.move is not None and decision.move.new is Role.DECODE
+
+
+def test_the_engines_queue_time_is_a_floor_under_pressure() -> None:
+    prefill = PhaseLoad(0.5, 50, queue_time_s=3.0)
+    observation = Observation(100.0, engines(2, 2), prefill, PhaseLoad(0.01, 50))
+    decision = decide(observation, ControlState(), CONFIG, SLO)
+    assert decision.move is not None and decision.inputs["prefill_pressure"] == 3.0
+    assert decision.inputs["prefill_queue_time_s"] == 3.0
+
+
+def test_several_engines_worth_of_backlog_moves_several_engines() -> None:
+    config = replace(CONFIG, max_moves=3)
+    overloaded = PhaseLoad(8.0, 40, pending=30)
+    observation = Observation(100.0, engines(1, 4), overloaded, PhaseLoad(0.005, 40))
+    decision = decide(observation, ControlState(), config, SLO)
+    assert len(decision.moves) == 3 and {m.new for m in decision.moves} == {Role.PREFILL}
+    assert decision.inputs["engines_moved"] == 3
+    table = apply_all(observation.engines, decision, 100.0)
+    assert (serving(table, Role.PREFILL), serving(table, Role.DECODE)) == (4, 1)
+    # The same backlog, but finished requests alone (no pending): one engine.
+    calm = replace(observation, prefill=PhaseLoad(8.0, 40))
+    assert len(decide(calm, ControlState(), config, SLO).moves) == 1
+
+
+def test_a_multi_move_stops_where_the_other_phase_would_be_stranded() -> None:
+    config = replace(CONFIG, max_moves=4)
+    overloaded = PhaseLoad(8.0, 40, pending=30)
+    # Decode at 0.3 of its SLO on 4 engines: 2 fewer is 0.6, 3 fewer 1.2 (over its SLO).
+    observation = Observation(100.0, engines(1, 4), overloaded, PhaseLoad(0.015, 40))
+    assert len(decide(observation, ControlState(), config, SLO).moves) == 2
+    # The floor.
+    floored = replace(config, min_decode=3)
+    assert len(decide(observation, ControlState(), floored, SLO).moves) == 1
+    # Only as many as the backlog needs: at 2.5 of its SLO, two engines more suffice.
+    needs_two = replace(observation, prefill=PhaseLoad(2.5, 40, pending=30))
+    light = replace(needs_two, decode=PhaseLoad(0.001, 40))
+    assert len(decide(light, ControlState(), config, SLO).moves) == 2
+    # Only settled candidates, and max_moves.
+    fresh = replace(
+        observation,
+        decode=PhaseLoad(0.001, 40),
+        engines=(*engines(1, 1), *_fresh_decoders(3)),
+    )
+    assert len(decide(fresh, ControlState(), config, SLO).moves) == 1
+    single = replace(config, max_moves=1)
+    assert len(decide(observation, ControlState(), single, SLO).moves) == 1
+
+
+def _fresh_decoders(count: int) -> tuple[EngineView, ...]:
+    return tuple(EngineView(f"f{i}", Role.DECODE, True, since=95.0) for i in range(count))
+
+
+def apply_all(
+    table: tuple[EngineView, ...], decision: Decision, now: float
+) -> tuple[EngineView, ...]:
+    moved = {m.engine: m.new for m in decision.moves}
+    return tuple(replace(e, role=moved[e.id], since=now) if e.id in moved else e for e in table)

@@ -4,6 +4,7 @@ advice journaled and nothing applied, pins and refusals respected, state and met
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from narwhal.config.controller import ControllerConfig, SloConfig
@@ -12,8 +13,11 @@ from narwhal.config.root import Config
 from narwhal.control.controller import TOWARD_PREFILL, Observation, PhaseLoad
 from narwhal.control.loop import ControlLoop, split
 from narwhal.control.phase_latency import PhaseLatency, Sample
+from narwhal.engines.scrape import EngineReport
 from narwhal.fleet.operations import FleetOperations, OperationError
 from narwhal.fleet.table import EngineEvent, Fleet, Phase
+from narwhal.protocol.bodies import Endpoint
+from narwhal.router.call import Call, Stage
 
 SPECS = (
     EngineSpec("a", "http://10.0.0.1:1", Role.BOTH, start_as=Role.PREFILL),
@@ -149,3 +153,75 @@ def test_after_a_move_only_requests_that_arrived_since_count() -> None:
     for _ in range(30):  # arrived after the move, still slow: evidence again
         latency.record(Sample(moved_at + 0.001, time.perf_counter(), 6.0, 0.01, 0.001))
     assert loop.step(time.perf_counter()).move is not None
+
+
+def overloaded(rig: Rig) -> Callable[[float], Observation]:
+    """Requests pile up past the TTFT objective and none reaches decode."""
+
+    def observation(now: float) -> Observation:
+        real = rig.loop.observe(now)
+        return replace(real, prefill=PhaseLoad(9.0, 40, pending=40), decode=PhaseLoad(0.001, 40))
+
+    return observation
+
+
+def test_an_overload_moves_several_engines_in_one_decision() -> None:
+    rig = Rig()
+    rig.loop.source = overloaded(rig)
+    decision = rig.loop.step(100.0)
+    assert [m.engine for m in decision.moves] == ["b", "c"]  # not the pinned d
+    assert rig.roles() == {"a": "prefill", "b": "prefill", "c": "prefill", "d": "decode"}
+    changes = [e for e in rig.events if e.kind == "role_change"]
+    assert [e.engine for e in changes] == ["b", "c"]
+    assert all(e.inputs is not None and e.inputs["engines_moved"] == 2 for e in changes)
+    summary = rig.loop.summary()
+    assert summary["moves"] == {TOWARD_PREFILL: 2}
+    assert [(t["engine"], t["to"]) for t in summary["timeline"]] == [
+        ("b", "prefill"),
+        ("c", "prefill"),
+    ]
+    # One decision: the cooldown starts once for both.
+    assert rig.loop.state.last_move_at == 100.0
+    advisory = Rig(replace(CONFIG, advisory=True))
+    advisory.loop.source = overloaded(advisory)
+    advised = advisory.loop.step(100.0)
+    assert advised == decision
+    assert [e.kind for e in advisory.events] == ["role_advice", "role_advice"]
+    assert advisory.roles()["b"] == "decode" and advisory.loop.summary()["advice"] == {
+        TOWARD_PREFILL: 2
+    }
+
+
+def test_requests_waiting_for_their_first_token_are_the_loops_evidence() -> None:
+    fleet = Fleet(SPECS)
+    latency = PhaseLatency()
+    config = replace(CONFIG, min_samples=20)
+    loop = ControlLoop(
+        fleet, FleetOperations(fleet, Config("m", SPECS), None), config, SLO, latency
+    )
+    assert loop.step(100.0).reason == "samples"
+    now = time.perf_counter()
+    for i in range(25):  # 5 to 10 s in the producer's queue, none at its first token
+        call = Call(f"r{i}", None, Endpoint.COMPLETIONS, arrival=now - 5.0 - i / 5, deadline=1e9)
+        call.stage = Stage.PREFILL
+        latency.arrived(call)
+    decision = loop.step(100.0)
+    assert decision.move is not None and decision.move.new is Role.PREFILL
+    assert decision.inputs["prefill_pending"] == 25 and decision.inputs["idle"] == "decode"
+    ttft = decision.inputs["ttft_p90_s"]
+    assert isinstance(ttft, float) and ttft > 8.0
+
+
+def test_the_engines_mean_queue_time_since_the_last_observation() -> None:
+    rig = Rig()
+    producer, consumer = rig.fleet.by_id["a"], rig.fleet.by_id["b"]
+    producer.report = EngineReport(queue_time_sum=10.0, queue_time_count=5.0)
+    consumer.report = EngineReport(queue_time_sum=1.0, queue_time_count=10.0)
+    first = rig.loop.observe(100.0)  # the first reading only sets the marks
+    assert first.prefill.queue_time_s is None and first.decode.queue_time_s is None
+    producer.report = EngineReport(queue_time_sum=40.0, queue_time_count=15.0)
+    second = rig.loop.observe(105.0)
+    assert second.prefill.queue_time_s == 3.0  # 30 s over 10 requests
+    assert second.decode.queue_time_s is None  # nobody left the consumer's queue
+    producer.report = EngineReport(queue_time_sum=2.0, queue_time_count=1.0)  # restarted
+    assert rig.loop.observe(110.0).prefill.queue_time_s == 2.0

@@ -43,6 +43,9 @@ class ControllerConfig:
     min_pressure: float = 0.8
     # Fewest finished requests in the window for a phase's p90 to count.
     min_samples: int = 20
+    # Most engines one decision moves, when the pressured phase is overloaded with several
+    # engines' worth of backlog (1: one engine per decision, always).
+    max_moves: int = 2
 
 
 def parse_slo(table: Table) -> SloConfig:
@@ -69,6 +72,7 @@ def parse_controller(table: Table) -> ControllerConfig:
         ratio=table.number("ratio", d.ratio),
         min_pressure=table.number("min_pressure", d.min_pressure, zero_ok=True),
         min_samples=table.integer("min_samples", d.min_samples, 1),
+        max_moves=table.integer("max_moves", d.max_moves, 1),
     )
     if table.has("ratio") and config.ratio < 1.0:
         table.fail("ratio", f"must be at least 1 (a band around balance), got {config.ratio:g}")

@@ -1,8 +1,13 @@
 """The role controller at work: every `interval_s` it observes the fleet, asks
-`controller.decide` for at most one move, and applies it through `operations` (the same
-role table the breaker, readmission and placement use), or, in advisory mode, only
-journals it. Every move (or advice) is an engine event with its reason and inputs; the last
-decision, the split and a short timeline are in `/narwhal/state`.
+`controller.decide` for its moves (usually at most one), and applies them through
+`operations` (the same role table the breaker, readmission and placement use), or, in
+advisory mode, only journals them. Every move (or advice) is an engine event with its
+reason and inputs; the last decision, the split and a short timeline are in
+`/narwhal/state`.
+
+The observation is the latency window (requests still waiting past the TTFT objective
+included, see `phase_latency`), the router's seat queue and, from the engines' last
+`/metrics` readings, their queues and their mean queue time since the last observation.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from narwhal.control.controller import (
     ControlState,
     Decision,
     EngineView,
+    Move,
     Observation,
     PhaseLoad,
     after,
@@ -67,14 +73,18 @@ class ControlLoop:
         self.moves: Counter[str] = Counter()
         self.advice: Counter[str] = Counter()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE)
+        # Each engine's queue time sum and count at the last observation.
+        self._queue_marks: dict[str, tuple[float, float]] = {}
 
     def observe(self, now: float) -> Observation:
         """The fleet's role table and each phase's load over the window."""
         perf_now = self.clock()
         moved = self.state.last_move_at
         since = None if moved is None else perf_now - (now - moved)
-        window = self.latency.window(perf_now, self.config.window_s, since)
+        window = self.latency.window(perf_now, self.config.window_s, since, self.slo.ttft_s)
         engines = self.fleet.engines
+        queue_times = self._queue_times(engines)
+        wait = window.first_token_wait
         return Observation(
             now=now,
             engines=tuple(self._view(e, now) for e in engines),
@@ -84,15 +94,43 @@ class ControlLoop:
                 queued=self.fleet.queued,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.PREFILL)),
                 seats_in_use=sum(e.prefill_seats for e in engines),
+                pending=window.prefill.pending,
+                queue_time_s=queue_times[Phase.PREFILL],
             ),
             decode=PhaseLoad(
                 window.tpot.p90_s,
                 window.tpot.samples,
-                wait_p90_s=window.first_token_wait.p90_s,
+                wait_p90_s=wait.p90_s,
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.DECODE)),
                 seats_in_use=sum(e.decode_seats for e in engines),
+                pending=wait.pending,
+                queue_time_s=queue_times[Phase.DECODE],
             ),
         )
+
+    def _queue_times(self, engines: list[Engine]) -> dict[Phase, float | None]:
+        """Each phase's mean engine queue time since the last observation (None: no
+        request left an engine's queue in between, or none reports it)."""
+        sums = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
+        counts = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
+        marks: dict[str, tuple[float, float]] = {}
+        for engine in engines:
+            report = engine.report
+            if report is None or report.queue_time_sum is None or not report.queue_time_count:
+                continue
+            total, count = report.queue_time_sum, report.queue_time_count
+            marks[engine.id] = (total, count)
+            last_total, last_count = self._queue_marks.get(engine.id, (0.0, 0.0))
+            if count < last_count:  # restarted: its counts began again
+                last_total, last_count = 0.0, 0.0
+            if engine.id not in self._queue_marks or count == last_count:
+                continue
+            for phase in (Phase.PREFILL, Phase.DECODE):
+                if engine.serves(phase):
+                    sums[phase] += max(0.0, total - last_total)
+                    counts[phase] += count - last_count
+        self._queue_marks = marks
+        return {phase: sums[phase] / counts[phase] if counts[phase] else None for phase in sums}
 
     def _view(self, engine: Engine, now: float) -> EngineView:
         role = engine.role
@@ -107,12 +145,31 @@ class ControlLoop:
         )
 
     def step(self, now: float) -> Decision:
-        """Observe, decide, and apply (or only journal) at most one move."""
+        """Observe, decide, and apply (or only journal) the decision's moves."""
         decision = decide(self.source(now), self.state, self.config, self.slo)
         self.last, self.last_at = decision, now
-        move = decision.move
-        if move is None:
+        done = [move for move in decision.moves if self._apply(decision, move, now)]
+        if not done:
             return decision
+        # Advice counts as a move for the memory, so advisory mode decides as the real
+        # controller would (the same cooldown, and no repeat on the same evidence).
+        self.state = after(decision, self.state, now)
+        stamp = round(time.time(), 3)
+        self.timeline.extend(
+            {
+                "ts": stamp,
+                "engine": move.engine,
+                "from": move.old.value,
+                "to": move.new.value,
+                "reason": decision.reason,
+                "applied": not self.config.advisory,
+            }
+            for move in done
+        )
+        return decision
+
+    def _apply(self, decision: Decision, move: Move, now: float) -> bool:
+        """One move applied (or, in advisory mode, journaled); False when refused."""
         why = decision.explain()
         if self.config.advisory:
             self.advice[decision.reason] += 1
@@ -125,34 +182,21 @@ class ControlLoop:
                     inputs=decision.inputs,
                 )
             )
-        else:
-            try:
-                self.operations.move(
-                    move.engine,
-                    move.new,
-                    f"role controller: {why}",
-                    reason=decision.reason,
-                    inputs=decision.inputs,
-                    now=now,
-                )
-            except OperationError as error:
-                log.warning("role controller: move of %s refused: %s", move.engine, error.message)
-                return decision
-            self.moves[decision.reason] += 1
-        # Advice counts as a move for the memory, so advisory mode decides as the real
-        # controller would (the same cooldown, and no repeat on the same evidence).
-        self.state = after(decision, self.state, now)
-        self.timeline.append(
-            {
-                "ts": round(time.time(), 3),
-                "engine": move.engine,
-                "from": move.old.value,
-                "to": move.new.value,
-                "reason": decision.reason,
-                "applied": not self.config.advisory,
-            }
-        )
-        return decision
+            return True
+        try:
+            self.operations.move(
+                move.engine,
+                move.new,
+                f"role controller: {why}",
+                reason=decision.reason,
+                inputs=decision.inputs,
+                now=now,
+            )
+        except OperationError as error:
+            log.warning("role controller: move of %s refused: %s", move.engine, error.message)
+            return False
+        self.moves[decision.reason] += 1
+        return True
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
