@@ -160,7 +160,7 @@ def _bench(argv: list[str]) -> int:
     """The harness lives in the source tree's benchmarks/, which is not installed."""
     import importlib
 
-    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    benchmarks = Path(__file__).resolve().parents[3] / "benchmarks"
     if not (benchmarks / "router_bench.py").exists():
         print("narwhal bench: needs a source checkout (benchmarks/)", file=sys.stderr)
         return 2

@@ -104,7 +104,7 @@ reasoning (delta.reasoning) before the content. Engine logs: {options.log_dir}
 
 def _checkout() -> Path | None:
     """The source tree this package runs from (an editable install), which can build vLLM."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     needed = (root / "Makefile", root / "tools" / "tiny_model.py")
     return root if all(path.exists() for path in needed) else None
 
