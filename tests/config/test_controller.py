@@ -34,12 +34,19 @@ def test_the_controller_is_off_by_default() -> None:
 def test_controller_slo_and_engine_keys_are_read() -> None:
     config = parse_config(
         fleet(
-            controller={"enabled": True, "advisory": True, "interval_s": 2, "min_decode": 2},
+            controller={
+                "enabled": True,
+                "advisory": True,
+                "interval_s": 2,
+                "min_decode": 2,
+                "max_moves": 3,
+            },
             slo={"ttft_s": 0.5, "tpot_s": 0.02},
         )
     )
     assert config.controller.enabled and config.controller.advisory
     assert config.controller.interval_s == 2.0 and config.controller.min_decode == 2
+    assert config.controller.max_moves == 3 and ControllerConfig().max_moves == 2
     assert (config.slo.ttft_s, config.slo.tpot_s) == (0.5, 0.02)
     a, b = config.engines
     assert (a.start_as, a.pin, b.start_as, b.pin) == (Role.PREFILL, False, Role.DECODE, True)
@@ -53,6 +60,7 @@ def test_bad_keys_are_named_by_path() -> None:
                 "interval_s": 0,
                 "min_prefill": 0,
                 "ratio": 0.5,
+                "max_moves": 0,
                 "dwel_s": 1,
             },
             slo={"ttft_s": -1},
@@ -64,6 +72,7 @@ def test_bad_keys_are_named_by_path() -> None:
         "controller.interval_s",
         "controller.min_prefill",
         "controller.ratio",
+        "controller.max_moves",
         "controller.dwel_s",
         "slo.ttft_s",
     ):

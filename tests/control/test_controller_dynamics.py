@@ -5,10 +5,16 @@ queues (each phase's latency grows as its engines fill).
 The rules: a sustained shift gets its first move within 30 s; on steady demand the split
 settles and then moves at most once, and never back and forth; pins and floors hold
 throughout; advisory mode records the decisions the active mode takes on the same evidence.
+
+Deep overload has its own model, request by request: prompts several times one producer's
+capacity on a 1P+3D start, so that every prompt waits past the KV lease and no request
+reaches its first token; the controller moves engines on the evidence of requests still
+waiting and handoffs that expired, and moves one back when decode-heavy load follows.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +29,8 @@ from narwhal.control.loop import ControlLoop
 from narwhal.control.phase_latency import PhaseLatency, Sample
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.table import EngineEvent, Fleet, Phase
+from narwhal.protocol.bodies import Endpoint
+from narwhal.router.call import Call, Stage
 
 DEFAULTS = ControllerConfig(enabled=True)
 SLO = SloConfig()  # TTFT 1 s, TPOT 50 ms
@@ -227,3 +235,154 @@ def test_advisory_mode_records_the_decisions_the_active_mode_takes_on_the_same_e
     ]
     assert advisory.loop.summary()["moves"] == {}
     assert sum(advisory.loop.summary()["advice"].values()) == len(changes)
+
+
+# Deep overload: a fleet modelled request by request -----------------------------------
+
+LEASE_S = 25.0  # a descriptor older than this is refused: 504 handoff_expired
+
+
+@dataclass
+class Producer:
+    """One engine's prefill queue, processor-shared: each of the `n` prompts on it gets
+    1/n of the engine, so an overloaded producer slows every prompt on it, and a request
+    finishes once the service every prompt got since it arrived (`attained`) is its own."""
+
+    attained: float = 0.0
+    heap: list[tuple[float, int, Call]] = field(default_factory=list)
+
+
+@dataclass
+class OverloadRig:
+    """Four role both engines on a 1P+3D start (all pinned for the static control), with
+    requests fed to the controller as the router feeds it: each arrives (and waits without
+    a first token while its prompt is on a producer), gets its first token or, when its
+    descriptor is past the lease, ends as an expired handoff, and ends."""
+
+    pinned: bool = False
+    config: ControllerConfig = DEFAULTS
+    now: float = 0.0
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        specs = tuple(
+            EngineSpec(
+                f"e{i}",
+                f"http://10.0.0.{i + 1}:1",
+                Role.BOTH,
+                start_as=Role.PREFILL if i == 0 else Role.DECODE,
+                pin=self.pinned,
+            )
+            for i in range(4)
+        )
+        self.fleet = Fleet(specs)
+        self.latency = PhaseLatency()
+        self.loop = ControlLoop(
+            self.fleet,
+            FleetOperations(self.fleet, Config("m", specs), None),
+            self.config,
+            SLO,
+            self.latency,
+            clock=lambda: self.now,
+        )
+        self.rng = random.Random(0)
+        self.producers = {e.id: Producer() for e in self.fleet.engines}
+        self.decoding: list[tuple[float, int, str, Call]] = []
+        self.moves: list[tuple[float, str, str]] = []
+        # (arrival, whether its first token met the TTFT objective and its decode TPOT's)
+        self.served: list[tuple[float, bool]] = []
+        self.blind_at_first_decision: bool | None = None
+
+    def split(self) -> tuple[int, int]:
+        roles = [e.role for e in self.fleet.engines]
+        return roles.count(Role.PREFILL), roles.count(Role.DECODE)
+
+    def run(self, until: float, demand: Callable[[float], Demand]) -> None:
+        tick = 1 / ARRIVALS_PER_S
+        next_decision = self.now + self.config.interval_s
+        while self.now < until:
+            self.now = round(self.now + tick, 6)
+            self._prefill(tick)
+            self._arrive(demand(self.now))
+            self._decode(demand(self.now))
+            if self.now >= next_decision:
+                next_decision += self.config.interval_s
+                if self.blind_at_first_decision is None and self.now >= self.config.dwell_s:
+                    # What finished requests alone show (the evidence before pending work).
+                    old = self.latency.window(self.now, self.config.window_s)
+                    self.blind_at_first_decision = old.prefill.samples < self.config.min_samples
+                decision = self.loop.step(self.now)
+                self.moves += [(self.now, m.engine, m.new.value) for m in decision.moves]
+
+    def _arrive(self, demand: Demand) -> None:
+        self.seq += 1
+        call = Call(f"r{self.seq}", None, Endpoint.COMPLETIONS, arrival=self.now, deadline=1e9)
+        call.stage = Stage.PREFILL
+        self.latency.arrived(call)
+        # Placement: the producer with the fewest prompts on it.
+        producing = [e.id for e in self.fleet.engines if e.serves(Phase.PREFILL)]
+        producer = self.producers[min(producing, key=lambda p: len(self.producers[p].heap))]
+        work = demand.prefill / ARRIVALS_PER_S * self.rng.uniform(0.7, 1.3)
+        heapq.heappush(producer.heap, (producer.attained + work, self.seq, call))
+
+    def _prefill(self, tick: float) -> None:
+        for producer in self.producers.values():
+            if not producer.heap:
+                continue
+            producer.attained += tick / len(producer.heap)
+            while producer.heap and producer.heap[0][0] <= producer.attained:
+                _, seq, call = heapq.heappop(producer.heap)
+                call.ttft_s = self.now - call.arrival
+                if call.ttft_s > LEASE_S:
+                    call.stage, call.status, call.cause = Stage.HANDOFF, 504, "handoff_expired"
+                    self.latency.add(call, self.now)
+                    self.served.append((call.arrival, False))
+                    continue
+                call.stage = Stage.DECODE
+                heapq.heappush(self.decoding, (self.now + 0.01, seq, "first", call))
+
+    def _decode(self, demand: Demand) -> None:
+        consumers = sum(e.serves(Phase.DECODE) for e in self.fleet.engines)
+        while self.decoding and self.decoding[0][0] <= self.now:
+            _, seq, kind, call = heapq.heappop(self.decoding)
+            if kind == "first":
+                call.first_byte_s = self.now - call.arrival
+                self.latency.first_token(call, self.now)
+                tpot = latency(0.01, demand.decode, consumers) * self.rng.uniform(0.7, 1.3)
+                met = call.first_byte_s <= SLO.ttft_s and tpot <= SLO.tpot_s
+                self.served.append((call.arrival, met))
+                ends = self.now + tpot * (OUTPUT_TOKENS - 1)
+                heapq.heappush(self.decoding, (ends, seq, "end", call))
+            else:
+                call.status, call.output_tokens, call.stage = 200, OUTPUT_TOKENS, Stage.RELAY
+                self.latency.add(call, self.now)
+
+    def goodput(self, since: float, until: float) -> float:
+        """Requests per second that arrived in [since, until) and met both objectives."""
+        return sum(met for at, met in self.served if since <= at < until) / (until - since)
+
+
+SATURATED = Demand(prefill=2.5, decode=0.3)  # two and a half producers' worth
+DECODE_AFTER = Demand(prefill=0.3, decode=2.5)
+
+
+def test_a_saturated_prefill_moves_engines_though_no_request_reaches_its_first_token() -> None:
+    rig, pinned = OverloadRig(), OverloadRig(pinned=True)
+    for each in (rig, pinned):
+        each.run(450.0, steady(SATURATED))
+    # By the first decision an engine may move (past the dwell time), finished requests
+    # alone show nothing: every prompt on the producer waits past the lease.
+    assert rig.blind_at_first_decision is True
+    assert pinned.moves == [] and pinned.split() == (1, 3)
+    assert rig.moves, "no move under a saturated prefill"
+    first_at = rig.moves[0][0]
+    assert first_at - DEFAULTS.dwell_s <= 30.0
+    assert all(to == "prefill" for _, _, to in rig.moves), rig.moves  # never back
+    assert rig.split() == (3, 1)
+    # Goodput in the run's last third beats the pinned 1P+3D run's.
+    assert rig.goodput(300.0, 450.0) > max(2 * pinned.goodput(300.0, 450.0), 1.0)
+    # Then decode-heavy load moves an engine back.
+    rig.run(750.0, steady(DECODE_AFTER))
+    back = [move for move in rig.moves if move[0] > 450.0]
+    assert back and back[0][2] == "decode", rig.moves
+    assert all(to == "decode" for _, _, to in back)
