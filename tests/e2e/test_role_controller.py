@@ -6,6 +6,8 @@ phase; with a fast interval the controller moves one unpinned decode engine to p
 Streaming clients run throughout: no request may fail, the requests running on the moved
 engine included, and the journal, `/narwhal/state` and `/metrics` name the move and why.
 In advisory mode the same pressure journals the move as advice and changes nothing.
+Under deep overload (the producer's queue past a short KV lease, handoffs expiring) the
+requests still waiting are the evidence, and the split moves toward prefill.
 """
 
 from __future__ import annotations
@@ -168,3 +170,51 @@ async def test_advisory_mode_journals_the_move_and_changes_nothing(
         assert "narwhal_controller_moves_total{" not in metrics or (
             'narwhal_controller_moves_total{reason="ttft_pressure"} 0.0' in metrics
         )
+
+
+async def test_a_prefill_queue_past_the_kv_lease_still_moves_engines(
+    make_stack: StackFactory,
+) -> None:
+    """Deep overload: the one producer's queue grows past the KV lease, so its handoffs
+    expire (504 handoff_expired) and hardly a request reaches its first token. The
+    requests still waiting are the evidence: the split moves toward prefill all the same."""
+    lease_s = 1.2  # the descriptor bound is a sixth less: 1 s
+    # No engine may move in the first 6 s: by then the producer's queue is past the lease.
+    controller = {**CONTROLLER, "dwell_s": 6.0, "cooldown_s": 2.0, "window_s": 5.0}
+    async with make_stack(
+        (("a", "both"), ("b", "both"), ("c", "both"), ("d", "both")),
+        engine_keys={**START, "d": {"start_as": "decode"}},
+        sim={**SIM, "prefill_s_per_token": 0.001, "kv_lease_s": lease_s},
+        controller=controller,
+        slo={"ttft_s": 0.25, "tpot_s": 0.5},
+        engine={"kv_lease_s": lease_s},
+        recovery={"eject_after": 1_000_000},
+    ) as stack:
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def client(index: int) -> None:
+            sent = 0
+            while not stop.is_set():
+                sent += 1
+                body = {"model": MODEL, "prompt": f"{index} {sent} {PROMPT}", "max_tokens": 4}
+                async with stack.http.post(stack.url + "/v1/completions", json=body) as r:
+                    await r.read()
+                    statuses.append(r.status)
+
+        clients = [asyncio.create_task(client(i)) for i in range(16)]
+        try:
+            state = await _until(stack, lambda s: len(s["controller"]["timeline"]) >= 2 or None)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        timeline = state["controller"]["timeline"]
+        assert [(t["from"], t["to"]) for t in timeline[:2]] == [("decode", "prefill")] * 2
+        assert state["controller"]["split"]["prefill"] >= 3
+        events = await stack.journal(kind="engine")
+        first = next(line for line in events if line["event"] == "role_change")
+        # Taken on requests without a first token, beside a decode phase nothing reached.
+        assert first["inputs"]["prefill_pending"] >= CONTROLLER["min_samples"]
+        requests = await stack.journal(kind="request")
+        before = [line for line in requests if line["ts"] < first["ts"]]
+        assert any(line["cause"] == "handoff_expired" for line in before), statuses
