@@ -102,8 +102,10 @@ class FirstTries:
 
     def failed(self, call: Call, error: NarwhalError, reservation: Reservation) -> None:
         now = asyncio.get_running_loop().time()
-        limits = {"attempts": call.attempts, "max_attempts": self.max_attempts}
-        if not worth_retrying(error, now=now, deadline=call.deadline, **limits):
+        attempts, limit = call.attempts, self.max_attempts
+        if not worth_retrying(
+            error, attempts=attempts, max_attempts=limit, now=now, deadline=call.deadline
+        ):
             raise error
         if not self.budget.try_spend():
             call.retry_denied = True
