@@ -25,6 +25,7 @@ from narwhal.config.root import (
     ConfigError,
     EngineConfig,
     JournalConfig,
+    NonstreamDecode,
     RecoveryConfig,
     RestartPolicy,
     ServerConfig,
@@ -89,6 +90,19 @@ def test_sections_left_out_take_their_documented_defaults() -> None:
 def test_engine_entries_take_default_seats_and_no_identity_url_or_kv_hosts() -> None:
     spec = parse_config(MINIMAL).engines[0]
     assert spec == EngineSpec("p0", "http://10.0.0.1:8100", Role.PREFILL, 64, 256, None, ())
+
+
+def test_non_streaming_decodes_are_streamed_unless_whole_is_asked_for() -> None:
+    engine = parse_config(MINIMAL).engine
+    assert engine.nonstream_decode is NonstreamDecode.STREAM
+    assert engine.whole_answer_timeout_s == 0.0
+    data = with_value("engine.nonstream_decode", "whole")
+    whole = parse_config(with_value("engine.whole_answer_timeout_s", 30, data))
+    assert whole.engine.nonstream_decode is NonstreamDecode.WHOLE
+    assert whole.engine.whole_answer_timeout_s == 30.0
+    # Unset, it never bounds a short deadline: nothing is derived.
+    short = parse_config(with_value("serving.request_timeout_s", 1, data))
+    assert "engine.whole_answer_timeout_s" not in short.derived
 
 
 def test_toml_and_json_with_the_same_structure_give_equal_configs() -> None:
@@ -198,6 +212,8 @@ REFUSED = [
     ("engine.kv_lease_s", 0, "must be a number > 0, got 0"),
     ("engine.release_abandoned", "yes", 'must be true or false, got "yes"'),
     ("engine.ca_bundle", "", 'must be a non-empty string, got ""'),
+    ("engine.nonstream_decode", "bulk", 'must be one of "stream", "whole", got "bulk"'),
+    ("engine.whole_answer_timeout_s", -1, "must be a number >= 0, got -1"),
     ("serving.request_timeout_s", 0, "must be a number > 0, got 0"),
     ("serving.max_attempts", 0, "must be an integer >= 1, got 0"),
     ("serving.retry_budget", -1, "must be an integer >= 0, got -1"),
@@ -571,6 +587,7 @@ def test_an_engine_url_must_not_be_the_router_itself(host: str, url: str) -> Non
         "engine.first_token_timeout_s",
         "engine.prefill_timeout_s",
         "engine.decode_read_timeout_s",
+        "engine.whole_answer_timeout_s",
         "serving.queue_timeout_s",
     ],
 )

@@ -82,3 +82,55 @@ async def test_decode_failures_carry_the_status_the_router_would_answer(
                 pass
     assert info.value.status == 502
     assert info.value.message == "stream ended with [DONE] before any token arrived"
+
+
+async def test_a_whole_decode_answers_once_what_one_engine_alone_answers(
+    fleet: SimFleet,
+) -> None:
+    producer, consumer = fleet.engines
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        descriptor = await client.handoff_descriptor(consumer.url, ROUTE, result)
+        answer = await client.send_whole(consumer.url, ROUTE, COMPLETION, result, descriptor)
+        assert client.open_legs == 0
+    sent = consumer.received[-1].body
+    assert sent["stream"] is False and "stream_options" not in sent
+    assert sent["kv_transfer_params"]["remote_engine_id"] == producer.engine_id
+    body = orjson.loads(answer.body)
+    assert body["choices"][0]["text"] == await direct_text(producer.url, ROUTE, COMPLETION)
+    assert body["id"] == f"cmpl-{result.request_id}"
+    usage = body["usage"]
+    assert (answer.prompt_tokens, answer.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert producer.held_block_count() == 0
+
+
+async def test_a_whole_decode_past_its_timeout_is_a_transient_504_and_closes_the_leg(
+    fleet: SimFleet,
+) -> None:
+    producer, consumer = fleet.engines
+    consumer.set_fault(Fault.from_json({"phase": "decode", "hang_s": 5.0}))
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            await client.send_whole(consumer.url, ROUTE, COMPLETION, result, None, timeout_s=0.2)
+        assert client.open_legs == 0
+    assert info.value.status == 504 and info.value.transient
+    assert info.value.cause.value == "first_token_timeout"
+    assert "engine.whole_answer_timeout_s" in info.value.message
+
+
+@pytest.mark.parametrize(("status", "routed"), [(400, 400), (503, 502), (504, 504)])
+async def test_a_whole_decodes_error_answer_keeps_its_status(
+    fleet: SimFleet, status: int, routed: int
+) -> None:
+    producer, consumer = fleet.engines
+    consumer.set_fault(Fault.from_json({"phase": "decode", "status": status}))
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            await client.send_whole(consumer.url, ROUTE, COMPLETION, result, None)
+    assert info.value.status == routed
+    assert info.value.transient is (status != 400)

@@ -13,6 +13,7 @@ from narwhal.protocol.bodies import (
     decode_body,
     parse_client_request,
     prefill_body,
+    whole_decode_body,
 )
 from narwhal.protocol.errors import NarwhalError
 
@@ -142,6 +143,17 @@ def test_decode_body_streams_with_usage_and_splices_the_descriptor_verbatim() ->
     body = orjson.loads(raw)
     assert body["stream"] is True and body["max_tokens"] == 9
     assert body["stream_options"] == {"include_usage": True}
+
+
+def test_a_whole_decode_body_does_not_stream_and_splices_the_descriptor_verbatim() -> None:
+    descriptor = b'{"remote_engine_id": "e", "remote_block_ids": [1], "x": 1.50}'
+    client = {"prompt": "x", "max_tokens": 9, "kv_transfer_params": {"a": 1}}
+    raw = whole_decode_body(client, descriptor)
+    assert raw.endswith(b',"kv_transfer_params":' + descriptor + b"}")
+    body = orjson.loads(raw)
+    assert body["stream"] is False and body["max_tokens"] == 9
+    assert "stream_options" not in body
+    assert "kv_transfer_params" not in orjson.loads(whole_decode_body(client, None))
 
 
 def test_decode_body_without_descriptor_has_no_transfer_params() -> None:

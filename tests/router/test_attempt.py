@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
-from support.legs import FakeLegs, call, config, path, request
+from support.legs import WHOLE, FakeLegs, call, config, path, request
 
 ENGINES = [("p0", "prefill"), ("d0", "decode")]
 LEASE = {"engine": {"kv_lease_s": 60}}
@@ -87,3 +87,54 @@ async def test_a_producer_that_fails_is_not_counted_a_success() -> None:
             await stack.attempt.run(call(), request(), reservation)
     assert stack.fleet.by_id["p0"].streak == 1
     assert stack.seats_held() == 0
+
+
+# A decode asked for whole (`engine.nonstream_decode = "whole"`) --------------------------
+
+
+async def test_a_whole_attempt_ends_at_the_answer_and_times_its_arrival() -> None:
+    legs = FakeLegs()
+    stack = path(config(ENGINES, engine={"whole_answer_timeout_s": 7}), legs)
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        answer = await stack.attempt.run_whole(record, request(), reservation)
+        assert stack.fleet.by_id["d0"].decode_seats == 1
+    assert answer.body == WHOLE and (answer.prompt_tokens, answer.completion_tokens) == (3, 2)
+    assert legs.legs == [("prefill", "p0"), ("whole", "d0")] and legs.whole_timeouts == [7.0]
+    assert record.handoffs == ["crossed"] and record.prompt_tokens == 3
+    # The first token is the prefill's; the first byte is the whole answer's arrival.
+    assert record.ttft_s is not None and record.first_byte_s is not None
+    assert record.first_byte_s >= record.ttft_s
+    assert stack.fleet.by_id["p0"].streak == 0 and not record.abandoned
+
+
+async def test_a_whole_fallback_attempt_takes_the_answer_as_its_first_token() -> None:
+    stack = path(config(ENGINES), FakeLegs())
+    record = call()
+    async with await stack.fleet.reserve(frozenset({"p0"}), None) as reservation:
+        await stack.attempt.run_whole(record, request(), reservation)
+    assert record.handoffs == ["fallback"] and record.ttft_s == record.first_byte_s
+
+
+async def test_a_whole_leg_refused_before_its_request_went_out_abandons_the_descriptor() -> None:
+    legs = FakeLegs(faults={"d0": [engine_error(Cause.CONNECT, "refused", "d0")]})
+    stack = path(config(ENGINES, **LEASE), legs)
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run_whole(record, request(), reservation)
+    assert [lost.producer for lost in record.abandoned] == ["p0"]
+    assert len(stack.released) == 1
+
+
+async def test_a_whole_leg_that_failed_after_its_request_went_out_abandons_nothing() -> None:
+    timeout = engine_error(Cause.FIRST_TOKEN_TIMEOUT, "no whole answer", "d0")
+    legs = FakeLegs(faults={"d0": [timeout]}, whole_faults_after_send=True)
+    stack = path(config(ENGINES, **LEASE), legs)
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        with pytest.raises(NarwhalError) as raised:
+            await stack.attempt.run_whole(record, request(), reservation)
+    assert raised.value.status == 504 and raised.value.transient
+    # The consumer may have pulled: the descriptor is never counted as abandoned.
+    assert record.abandoned == [] and stack.released == []

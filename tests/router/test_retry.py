@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 from narwhal.router.retry import FirstTries, worth_retrying
 from support.legs import FakeLegs, FakeStream, call, config, path, request
@@ -151,3 +152,36 @@ async def test_an_answer_clears_both_engines_streaks() -> None:
 
 def test_client_errors_are_never_transient() -> None:
     assert not client_error(400, "bad").transient
+
+
+# Whole answers (`engine.nonstream_decode = "whole"`) -------------------------------------
+
+
+async def forward_ok(answer: WholeAnswer) -> None:
+    assert answer.body
+
+
+async def test_a_failed_whole_leg_is_retried_elsewhere_as_a_failed_first_token_is() -> None:
+    timeout = engine_error(Cause.FIRST_TOKEN_TIMEOUT, "no whole answer", "d0")
+    legs = FakeLegs(faults={"d0": [timeout]}, whole_faults_after_send=True)
+    stack = path(config(ENGINES, serving={"max_attempts": 2}), legs)
+    record = call()
+    tries = FirstTries(stack.fleet, request(), stack.outcome.budget, 2)
+    relayed = await stack.retries.run_whole(record, tries, forward_ok)
+    assert relayed.error is None and relayed.stream.engine == "d1"
+    assert [leg for leg in legs.legs if leg[0] == "whole"] == [("whole", "d0"), ("whole", "d1")]
+    assert record.attempts == 2 and stack.outcome.budget.spent == 1
+    assert stack.fleet.by_id["d0"].failures == {"first_token_timeout": 1}
+    assert stack.fleet.by_id["d0"].streak == 1 and stack.fleet.by_id["d1"].streak == 0
+    assert stack.seats_held() == 0
+
+
+async def test_an_engines_client_error_on_a_whole_leg_keeps_its_status_and_is_not_retried() -> None:
+    legs = FakeLegs(faults={"d0": [fault("d0", Cause.HTTP_STATUS, status=400)]})
+    stack = path(config(ENGINES[::2], serving={"max_attempts": 3}), legs)
+    record = call()
+    tries = FirstTries(stack.fleet, request(), stack.outcome.budget, 3)
+    with pytest.raises(NarwhalError) as raised:
+        await stack.retries.run_whole(record, tries, forward_ok)
+    assert raised.value.status == 400 and record.attempts == 1
+    assert stack.fleet.by_id["d0"].failures == {} and stack.seats_held() == 0

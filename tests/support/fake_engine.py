@@ -192,11 +192,15 @@ ENGINE_TIMEOUT_S = 1.5
 
 @asynccontextmanager
 async def fake_stack(
-    tmp_path: Path, prefill: Script, decode: Script, deadline_s: float = 4.0
+    tmp_path: Path,
+    prefill: Script,
+    decode: Script,
+    deadline_s: float = 4.0,
+    engine: dict[str, Any] | None = None,
 ) -> AsyncIterator[FakeStack]:
     """Router → fake producer p0 and fake consumer d0, with short engine timeouts; the
     deadline stays well above the first-token timeout, so that a busy machine cannot turn
-    one into the other."""
+    one into the other. `engine` adds `[engine]` keys."""
     producer, consumer = FakeEngine(prefill), FakeEngine(decode)
     await producer.start()
     await consumer.start()
@@ -209,6 +213,7 @@ async def fake_stack(
                 "first_token_timeout_s": ENGINE_TIMEOUT_S,
                 "decode_read_timeout_s": ENGINE_TIMEOUT_S,
                 "prefill_timeout_s": ENGINE_TIMEOUT_S,
+                **(engine or {}),
             },
             "serving": {"request_timeout_s": deadline_s, "queue_timeout_s": ENGINE_TIMEOUT_S},
             # Every answer here is bad on purpose: never eject for it.

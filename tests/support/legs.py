@@ -1,8 +1,8 @@
 """A fake engine client for the request path's rules: scripted legs, no sockets.
 
-`FakeLegs` answers an attempt's three calls (prefill, handoff check, decode) for engines by
-id, raising the faults a test scripts for each engine in turn; `path()` builds the real
-`Attempt`, `Outcome` and `Retries` around it on a small fleet.
+`FakeLegs` answers an attempt's calls (prefill, handoff check, a streamed or whole decode)
+for engines by id, raising the faults a test scripts for each engine in turn; `path()`
+builds the real `Attempt`, `Outcome` and `Retries` around it on a small fleet.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from narwhal.config.root import Config, parse_config
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
 from narwhal.fleet.breaker import Breaker
 from narwhal.fleet.table import Fleet
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
@@ -33,6 +34,11 @@ from narwhal.router.retry import Retries
 
 MODEL = "m"
 DESCRIPTOR = b'{"do_remote_prefill":true,"remote_block_ids":[1],"remote_host":"127.0.0.1"}'
+# A consumer's whole answer, as an engine might space it.
+WHOLE = (
+    b'{"id": "cmpl-x", "choices": [{"text": "hi"}],'
+    b' "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+)
 
 
 class FakeStream:
@@ -60,6 +66,11 @@ class FakeLegs:
     age_s: float = 0.0
     legs: list[tuple[str, str]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
+    # What a whole decode answers, and the timeout each was sent with.
+    whole: bytes = WHOLE
+    whole_timeouts: list[float] = field(default_factory=list)
+    # A whole decode's fault strikes once its request (and descriptor) went out.
+    whole_faults_after_send: bool = False
 
     def _fault(self, engine: str) -> None:
         pending = self.faults.get(engine)
@@ -113,6 +124,29 @@ class FakeLegs:
         stream = FakeStream(name)
         self.streams.append(stream)
         return cast(DecodeStream, stream)
+
+    async def send_whole(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        timeout_s: float = 0.0,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+    ) -> WholeAnswer:
+        name = engine or consumer_url
+        self.legs.append(("whole", name))
+        self.whole_timeouts.append(timeout_s)
+        if delivery is not None and self.whole_faults_after_send:
+            delivery.written = True
+        self._fault(name)
+        if delivery is not None:
+            delivery.written = True
+        return parse_whole_answer(self.whole, name)
 
 
 def config(engines: Iterable[tuple[str, str]], **sections: Mapping[str, object]) -> Config:

@@ -12,7 +12,7 @@ from pathlib import Path
 from narwhal.config.controller import controller_summary
 from narwhal.config.discovery import discovery_summary
 from narwhal.config.engine_spec import Role
-from narwhal.config.root import Config, ConfigError, load_config
+from narwhal.config.root import Config, ConfigError, NonstreamDecode, load_config
 from narwhal.config.table import show
 from narwhal.config.tracing import TracingConfig
 
@@ -58,6 +58,7 @@ def summary(config: Config, source: str) -> str:
         + ", queue "
         + seconds("serving.queue_timeout_s", serving.queue_timeout_s)
         + f", request {serving.request_timeout_s:g} s",
+        *whole_summary(config),
         f"  handoff bound: {config.handoff_bound_s:g} s "
         f"(kv lease {engine.kv_lease_s:g} s less a sixth)",
         f"  breaker: eject after {recovery.eject_after} failures, at most "
@@ -82,6 +83,16 @@ def summary(config: Config, source: str) -> str:
             "  (derived): unset, so clamped from the default to fit the key it must not exceed"
         )
     return "\n".join(lines)
+
+
+def whole_summary(config: Config) -> list[str]:
+    """Non-streaming decodes asked for whole: a line only when that is on."""
+    engine = config.engine
+    if engine.nonstream_decode is not NonstreamDecode.WHOLE:
+        return []
+    bound = engine.whole_answer_timeout_s
+    timeout = f"within {bound:g} s" if bound else "within the request deadline"
+    return [f"  non-streaming decodes: whole answers, forwarded as sent, {timeout}"]
 
 
 def tracing_summary(tracing: TracingConfig) -> str:

@@ -44,6 +44,14 @@ class RestartPolicy(enum.StrEnum):
     WHOLE_WAVE = "whole_wave"
 
 
+class NonstreamDecode(enum.StrEnum):
+    """How a non-streaming client request's decode leg is sent: streamed and assembled by
+    the router, or asked for whole and the consumer's answer forwarded as it came."""
+
+    STREAM = "stream"
+    WHOLE = "whole"
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """`[server]`: where the router listens and who may call it."""
@@ -86,6 +94,11 @@ class EngineConfig:
     release_abandoned: bool = True
     api_key_env: str | None = None
     ca_bundle: str | None = None
+    # A non-streaming request's decode leg: streamed (the first-token rules) or whole.
+    nonstream_decode: NonstreamDecode = NonstreamDecode.STREAM
+    # The longest wait for a whole answer, from sending the decode; 0: the request
+    # deadline alone bounds it.
+    whole_answer_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +332,10 @@ def _engine(table: Table) -> EngineConfig:
         metrics_interval_s=table.number("metrics_interval_s", d.metrics_interval_s, zero_ok=True),
         kv_lease_s=table.number("kv_lease_s", d.kv_lease_s),
         release_abandoned=table.boolean("release_abandoned", d.release_abandoned),
+        nonstream_decode=table.choice("nonstream_decode", NonstreamDecode, d.nonstream_decode),
+        whole_answer_timeout_s=table.number(
+            "whole_answer_timeout_s", d.whole_answer_timeout_s, zero_ok=True
+        ),
         api_key_env=_env_name(table, "api_key_env"),
         ca_bundle=table.optional_string("ca_bundle"),
     )
@@ -389,6 +406,7 @@ _BOUNDED: Final = (
     ("engine", "first_token_timeout_s", "serving", "request_timeout_s"),
     ("engine", "prefill_timeout_s", "serving", "request_timeout_s"),
     ("engine", "decode_read_timeout_s", "serving", "request_timeout_s"),
+    ("engine", "whole_answer_timeout_s", "serving", "request_timeout_s"),
     ("serving", "queue_timeout_s", "serving", "request_timeout_s"),
     ("recovery", "urgent_readmit_interval_s", "recovery", "readmit_interval_s"),
 )

@@ -10,6 +10,7 @@ failure is raised as a `NarwhalError` whose cause and status are decided where i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
@@ -32,7 +33,8 @@ from narwhal.engines.http import (
 )
 from narwhal.engines.leg_errors import bad_stream, error_object, status_error, transport_error
 from narwhal.engines.prefill_answer import parse_prefill_answer
-from narwhal.protocol.bodies import decode_body, prefill_body
+from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
+from narwhal.protocol.bodies import decode_body, prefill_body, whole_decode_body
 from narwhal.protocol.errors import Cause, engine_error
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.sse import (
@@ -48,6 +50,8 @@ MAX_PREFILL_ANSWER_BYTES = 8 << 20
 # Events before the first token are held for the client, none dropped; an engine that
 # sends more than this before any token is broken (vLLM sends one role chunk at most).
 MAX_HELD_BYTES = 1 << 20
+# A whole answer past this is refused as broken (logprobs of long answers stay far below).
+MAX_WHOLE_ANSWER_BYTES = 64 << 20
 
 
 def new_request_id() -> str:
@@ -338,6 +342,75 @@ class EngineClient:
             _close(connection)
             raise
 
+    async def send_whole(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        timeout_s: float = 0.0,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+    ) -> WholeAnswer:
+        """The decode leg asked for whole (`"stream": false`): the consumer's one answer.
+
+        There is no first token to wait for: the leg, from sending to the answer's last
+        byte, is bounded by `timeout_s` (0: by the caller's deadline alone). `delivery`
+        learns whether the descriptor reached the consumer, on every path.
+        """
+        name = engine or consumer_url
+        data = whole_decode_body(body, descriptor)
+        self.open_legs += 1
+        connection: Connection | None = None
+        try:
+            async with clock().timeout(timeout_s) if timeout_s else _unbounded():
+                connection = await self._post(
+                    consumer_url,
+                    endpoint,
+                    data,
+                    result.request_id,
+                    trace,
+                    None if delivery is None else delivery.sent,
+                )
+                if connection.status != 200:
+                    if delivery is not None:
+                        delivery.refused = True
+                    raise await status_error(connection, name, "decode")
+                raw = await connection.read_all(MAX_WHOLE_ANSWER_BYTES)
+        except TooLarge:
+            _close(connection)
+            connection = None
+            raise engine_error(
+                Cause.BAD_RESPONSE,
+                f"engine {name} answered more than {MAX_WHOLE_ANSWER_BYTES} bytes",
+                name,
+            ) from None
+        except HttpError as exc:
+            if connection is None:
+                raise transport_error(exc, name, "decode") from None
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode answer from engine {name} broke before it ended: {exc}",
+                name,
+            ) from None
+        except TimeoutError:
+            raise engine_error(
+                Cause.FIRST_TOKEN_TIMEOUT,
+                f"engine {name} gave no whole answer within {timeout_s:g} s "
+                "(engine.whole_answer_timeout_s)",
+                name,
+            ) from None
+        finally:
+            self.open_legs -= 1
+            if connection is not None:
+                # Back to the pool only when its answer was read to the end; else closed,
+                # which aborts the request in the engine.
+                connection.release()
+        return parse_whole_answer(raw, name)
+
     def _leg_closed(self) -> None:
         self.open_legs -= 1
 
@@ -377,6 +450,11 @@ def _classify_pre_output(event: SseEvent, engine: str) -> EventKind:
     if decision.kind is EventKind.ERROR:
         raise error_object(decision.payload or {}, engine)
     return decision.kind
+
+
+@contextlib.asynccontextmanager
+async def _unbounded() -> AsyncIterator[None]:
+    yield
 
 
 def _close(connection: Connection | None) -> None:

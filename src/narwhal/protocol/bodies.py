@@ -173,3 +173,17 @@ def decode_body(client_body: Mapping[str, Any], descriptor: bytes | None) -> byt
     if descriptor is None:
         return encoded
     return encoded[:-1] + b',"kv_transfer_params":' + descriptor + b"}"
+
+
+def whole_decode_body(client_body: Mapping[str, Any], descriptor: bytes | None) -> bytes:
+    """Leg 2 asked for whole (`engine.nonstream_decode = "whole"`): the client's body,
+    non-streaming, with the descriptor spliced in byte-for-byte. A non-streaming answer
+    always carries its usage, so nothing else is asked for."""
+    body = dict(client_body)
+    body.pop("kv_transfer_params", None)
+    body.pop("stream_options", None)
+    body["stream"] = False
+    encoded = orjson.dumps(body)
+    if descriptor is None:
+        return encoded
+    return encoded[:-1] + b',"kv_transfer_params":' + descriptor + b"}"

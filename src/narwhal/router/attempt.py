@@ -1,9 +1,10 @@
 """One attempt, on the seats of one reservation: prefill → validate → decode → hand over.
 
-An attempt ends at the decode's first token, with the stream handed to the relay, or with
-the error that ended it. Each attempt has fresh engine request ids and its own handoff; a
-descriptor that never reached a consumer is recorded as abandoned (its producer holds the
-blocks) and, when the operator asks, released through another consumer.
+An attempt ends at the decode's first token, with the stream handed to the relay (or, with
+a decode asked for whole, at the consumer's whole answer), or with the error that ended
+it. Each attempt has fresh engine request ids and its own handoff; a descriptor that never
+reached a consumer is recorded as abandoned (its producer holds the blocks) and, when the
+operator asks, released through another consumer.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from narwhal.config.root import Config
 from narwhal.engines.client import new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
@@ -26,9 +28,13 @@ from narwhal.router.continuation import with_token_ids
 from narwhal.router.outcome import Outcome
 from narwhal.router.releases import Releases
 
+# What a decode leg hands the relay: a stream past its first token, or a whole answer.
+Leg = TypeVar("Leg", DecodeStream, WholeAnswer)
+Leg_co = TypeVar("Leg_co", DecodeStream, WholeAnswer, covariant=True)
+
 
 class Legs(Protocol):
-    """The engine client's three calls an attempt makes (`engines.client.EngineClient`)."""
+    """The engine client's calls an attempt makes (`engines.client.EngineClient`)."""
 
     async def prefill(
         self,
@@ -61,6 +67,35 @@ class Legs(Protocol):
         delivery: Delivery | None = None,
     ) -> DecodeStream: ...
 
+    async def send_whole(
+        self,
+        consumer_url: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        engine: str | None = None,
+        timeout_s: float = 0.0,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+    ) -> WholeAnswer: ...
+
+
+class Decode(Protocol[Leg_co]):
+    """Sends an attempt's decode leg: `Attempt._stream` or `Attempt._whole`."""
+
+    async def __call__(
+        self,
+        call: Call,
+        request: ClientRequest,
+        url: str,
+        engine: str,
+        result: PrefillResult,
+        descriptor: bytes | None,
+        delivery: Delivery,
+    ) -> Leg_co: ...
+
 
 class Attempt:
     """The legs of one try, sent through the engine client."""
@@ -82,6 +117,7 @@ class Attempt:
         self.handoff_bound_s = config.handoff_bound_s
         self.kv_lease_s = config.engine.kv_lease_s
         self.release_abandoned = config.engine.release_abandoned
+        self.whole_answer_timeout_s = config.engine.whole_answer_timeout_s
 
     async def run(
         self,
@@ -96,6 +132,29 @@ class Attempt:
         With `rescue`, the try continues an answer (`router.rescue`): the request's own
         first-token measurements and prompt count stay as they were.
         """
+        return await self._run(call, request, reservation, rescue, self._stream)
+
+    async def run_whole(
+        self,
+        call: Call,
+        request: ClientRequest,
+        reservation: Reservation,
+        *,
+        rescue: bool = False,
+    ) -> WholeAnswer:
+        """One prefill/decode try whose decode is asked for whole, up to its answer: the
+        answer's arrival is the request's first byte (and, with no prefill, its first
+        token)."""
+        return await self._run(call, request, reservation, rescue, self._whole)
+
+    async def _run(
+        self,
+        call: Call,
+        request: ClientRequest,
+        reservation: Reservation,
+        rescue: bool,
+        decode: Decode[Leg],
+    ) -> Leg:
         producer, consumer = reservation.producer, reservation.consumer
         call.attempts += 1
         call.producer = None if reservation.fallback else producer.id
@@ -128,7 +187,9 @@ class Attempt:
                 call.prompt_tokens = result.prompt_tokens
         delivery = Delivery()
         try:
-            return await self._hand_over(call, request, reservation, result, delivery, rescue)
+            return await self._hand_over(
+                call, request, reservation, result, delivery, rescue, decode
+            )
         except BaseException:
             if not delivery.delivered:
                 self._abandon(call, result, reservation)
@@ -142,9 +203,10 @@ class Attempt:
         result: PrefillResult,
         delivery: Delivery,
         rescue: bool,
-    ) -> DecodeStream:
-        """From the prefill's answer to the decode's first token; `delivery` says whether
-        the descriptor reached the consumer, whatever happens."""
+        decode: Decode[Leg],
+    ) -> Leg:
+        """From the prefill's answer to the decode's first token (or whole answer);
+        `delivery` says whether the descriptor reached the consumer, whatever happens."""
         producer, consumer = reservation.producer, reservation.consumer
         if reservation.fallback:
             call.handoff = "fallback"
@@ -156,17 +218,8 @@ class Attempt:
         try:
             descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
             call.enter(Stage.DECODE)
-            stream = await self.client.send_decode(
-                consumer.url,
-                endpoint,
-                # A tracked request's ids come from its decode alone (`router.progress`).
-                with_token_ids(request.body) if call.tracks_ids else request.body,
-                result,
-                descriptor,
-                engine=consumer.id,
-                drop_usage=not request.include_usage,
-                trace=call.leg_headers(),
-                delivery=delivery,
+            leg = await decode(
+                call, request, consumer.url, consumer.id, result, descriptor, delivery
             )
         except NarwhalError as error:
             # The descriptor passed validation unless the producer is the one blamed.
@@ -180,7 +233,52 @@ class Attempt:
             call.first_byte_s = time.perf_counter() - call.arrival
             if reservation.fallback:
                 call.ttft_s = call.first_byte_s
-        return stream
+        return leg
+
+    async def _stream(
+        self,
+        call: Call,
+        request: ClientRequest,
+        url: str,
+        engine: str,
+        result: PrefillResult,
+        descriptor: bytes | None,
+        delivery: Delivery,
+    ) -> DecodeStream:
+        return await self.client.send_decode(
+            url,
+            request.endpoint,
+            # A tracked request's ids come from its decode alone (`router.progress`).
+            with_token_ids(request.body) if call.tracks_ids else request.body,
+            result,
+            descriptor,
+            engine=engine,
+            drop_usage=not request.include_usage,
+            trace=call.leg_headers(),
+            delivery=delivery,
+        )
+
+    async def _whole(
+        self,
+        call: Call,
+        request: ClientRequest,
+        url: str,
+        engine: str,
+        result: PrefillResult,
+        descriptor: bytes | None,
+        delivery: Delivery,
+    ) -> WholeAnswer:
+        return await self.client.send_whole(
+            url,
+            request.endpoint,
+            request.body,
+            result,
+            descriptor,
+            engine=engine,
+            timeout_s=self.whole_answer_timeout_s,
+            trace=call.leg_headers(),
+            delivery=delivery,
+        )
 
     def _handoff_kind(self, reservation: Reservation, result: PrefillResult) -> str:
         """How the prefill hands over; raises when its descriptor is too old to decode."""

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from narwhal.config.root import Config
+from narwhal.config.root import Config, NonstreamDecode
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.fleet.table import Fleet
 from narwhal.protocol.bodies import Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError
@@ -25,7 +26,7 @@ from narwhal.router.continuation import not_continued, tracker
 from narwhal.router.outcome import Outcome
 from narwhal.router.reply import Reply
 from narwhal.router.rescue import Rescue
-from narwhal.router.respond import answer_error, collect, relay
+from narwhal.router.respond import answer_error, collect, forward, relay
 from narwhal.router.retry import FirstTries, Retries
 from narwhal.runtime.clock import clock
 
@@ -74,6 +75,8 @@ class RequestPath:
         self.call_hooks = call_hooks
         self.first_token_hooks = first_token_hooks
         self.arrival_hooks = arrival_hooks
+        # Non-streaming requests' decodes asked for whole, their answers forwarded.
+        self.whole = config.engine.nonstream_decode is NonstreamDecode.WHOLE
         self.in_flight = 0
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -165,6 +168,20 @@ class RequestPath:
                 config.continuation,
             )
             await rescue.serve(first)
+            return
+
+        if self.whole and not request.stream:
+            # A continuable request never comes here: continuing needs a streamed decode.
+
+            async def forward_answer(answer: WholeAnswer) -> None:
+                for hook in self.first_token_hooks:
+                    hook(call, call.stage_at)
+                await forward(reply, call, answer)
+
+            whole = await self.retries.run_whole(call, first, forward_answer)
+            if whole.error is not None:
+                raise whole.error
+            self.outcome.answered(tracked=False)
             return
 
         async def answer(stream: DecodeStream) -> None:

@@ -1,5 +1,6 @@
 """The client's side of a request: its answer written (a relayed stream, one assembled
-answer, or an error), in the shapes an OpenAI client expects, through its `Reply`."""
+answer, a consumer's whole answer forwarded, or an error), in the shapes an OpenAI client
+expects, through its `Reply`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
+from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseError
 from narwhal.router.assemble import answer_body
@@ -64,6 +66,17 @@ async def collect(reply: Reply, call: Call, stream: DecodeStream) -> None:
     call.output_tokens = completion_tokens(usage)
     call.status = 200
     await reply.answer(200, body, {"X-Request-Id": call.request_id})
+
+
+async def forward(reply: Reply, call: Call, answer: WholeAnswer) -> None:
+    """The consumer's own non-streaming answer, its bytes as the engine sent them; only the
+    `X-Request-Id` header is the router's. Its usage is the request's output count (and
+    its prompt count, when no prefill reported one)."""
+    call.output_tokens = answer.completion_tokens
+    if call.prompt_tokens is None:
+        call.prompt_tokens = answer.prompt_tokens
+    call.status = 200
+    await reply.answer(200, answer.body, {"X-Request-Id": call.request_id})
 
 
 def completion_tokens(usage: dict[str, Any] | None) -> int | None:

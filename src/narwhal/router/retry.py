@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol
 
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.fleet.placement import PromptKey
 from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest
 from narwhal.protocol.errors import NarwhalError
-from narwhal.router.attempt import Attempt
+from narwhal.router.attempt import Attempt, Leg
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import Call, Stage
 from narwhal.router.outcome import Outcome
@@ -32,11 +33,11 @@ Relay = Callable[[DecodeStream], Awaitable[None]]
 
 
 @dataclass(slots=True)
-class Relayed:
+class Relayed(Generic[Leg]):
     """The try whose relay ran, on its seats (already released), and how it ended."""
 
     reservation: Reservation
-    stream: DecodeStream
+    stream: Leg
     # The relay's failure (already counted against its engine); None when it ended well.
     error: NarwhalError | None
 
@@ -121,18 +122,34 @@ class Retries:
         self.attempt = attempt
         self.outcome = outcome
 
-    async def run(self, call: Call, tries: Tries, relay: Relay) -> Relayed:
+    async def run(self, call: Call, tries: Tries, relay: Relay) -> Relayed[DecodeStream]:
         """Tries until one reaches its first token, then relays it.
 
         Raises the error of the last try when no try reached a first token.
         """
+        return await self._run(call, tries, self.attempt.run, relay)
+
+    async def run_whole(
+        self, call: Call, tries: Tries, relay: Callable[[WholeAnswer], Awaitable[None]]
+    ) -> Relayed[WholeAnswer]:
+        """As `run`, with each try's decode asked for whole: a failed whole leg has sent
+        the client nothing, so it is retried as a try that failed its first token is."""
+        return await self._run(call, tries, self.attempt.run_whole, relay)
+
+    async def _run(
+        self,
+        call: Call,
+        tries: Tries,
+        attempt: Callable[..., Awaitable[Leg]],
+        relay: Callable[[Leg], Awaitable[None]],
+    ) -> Relayed[Leg]:
         while True:
             request = tries.next_try(call)
             call.enter(Stage.QUEUED)
             async with await tries.reserve(call) as reservation:
                 tries.placed(call, reservation)
                 try:
-                    stream = await self.attempt.run(call, request, reservation, rescue=tries.rescue)
+                    stream = await attempt(call, request, reservation, rescue=tries.rescue)
                 except NarwhalError as error:
                     call.attempt_failed(error)
                     phase = Phase.PREFILL if call.stage is Stage.PREFILL else Phase.DECODE
