@@ -40,6 +40,9 @@ class BenchOptions:
     tracing_ratio: float = 1.0
     # Also run Narwhal once per optional feature, flipped from its default (bench_matrix).
     matrix: bool = False
+    # Narwhal's `engine.nonstream_decode`: "stream", "whole", or "both" (a second target,
+    # "narwhal-whole", in the same interleaved run).
+    nonstream_decode: str = "stream"
 
 
 @dataclass(slots=True)

@@ -240,10 +240,26 @@ async def _run_targets(
         direct = Target("direct", producer=bench.producer_url, consumer=bench.consumer_url)
         bench.targets.append(direct)
     if options.narwhal:
-        url = await add_router(
-            bench, "narwhal", start_narwhal(bench.producer_url, bench.consumer_url, bench.workdir)
+        whole = {"engine": {"nonstream_decode": "whole"}}
+        mode = options.nonstream_decode
+        first = start_narwhal(
+            bench.producer_url,
+            bench.consumer_url,
+            bench.workdir,
+            settings=whole if mode == "whole" else None,
         )
-        say(f"narwhal: {url} (pid {bench.pids['narwhal']})")
+        url = await add_router(bench, "narwhal", first)
+        say(f"narwhal: {url} (pid {bench.pids['narwhal']}, non-streaming decodes: {mode})")
+        if mode == "both":
+            second = start_narwhal(
+                bench.producer_url,
+                bench.consumer_url,
+                bench.workdir,
+                name="narwhal-whole",
+                settings=whole,
+            )
+            url = await add_router(bench, "narwhal-whole", second)
+            say(f"narwhal-whole: {url} (pid {bench.pids['narwhal-whole']})")
     if options.tracing:
         assert traces_to is not None
         traced = start_narwhal(
@@ -478,6 +494,12 @@ def parser() -> argparse.ArgumentParser:
     add("--prefill-s-per-token", type=float, default=0.0, help="the engines' prefill cost")
     add("--no-direct", dest="direct", action="store_false", help="skip the direct path")
     add("--no-narwhal", dest="narwhal", action="store_false", help="skip Narwhal")
+    add(
+        "--nonstream-decode",
+        choices=["stream", "whole", "both"],
+        default="stream",
+        help='Narwhal\'s engine.nonstream_decode; "both": also a "narwhal-whole" target',
+    )
     add("--tracing", action="store_true", help="also run Narwhal with tracing on (OTLP to a sink)")
     add("--matrix", action="store_true", help="also run Narwhal with each optional feature flipped")
     add("--tracing-ratio", type=float, default=1.0, help="its sample ratio (with --tracing)")
@@ -524,6 +546,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         tracing=args.tracing,
         matrix=args.matrix,
         tracing_ratio=args.tracing_ratio,
+        nonstream_decode=args.nonstream_decode,
     )
 
 
