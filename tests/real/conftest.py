@@ -11,6 +11,7 @@ import json
 import shutil
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -53,32 +54,49 @@ async def real() -> AsyncIterator[RealStack]:
         for engine in fleet:
             FIGURES[f"{engine.name} memory (PSS)"] = f"{engine.memory_mib():.0f} MiB"
         journal_path = LOG_DIR / "journal.jsonl"
-        config = parse_config(
-            {
-                "model": MODEL,
-                "journal": {"path": str(journal_path)},
-                # A CPU engine on a busy 2-core machine: slow first tokens are not faults here.
-                "engine": {
-                    "first_token_timeout_s": 60.0,
-                    "decode_read_timeout_s": 60.0,
-                    # Each /metrics read costs a CPU engine's API server real work.
-                    "metrics_interval_s": 2.0,
-                    "kv_lease_s": KV_LEASE_S,
-                },
-                # A prefill that waited past the handoff bound is tried afresh, as a fleet
-                # on a shared CPU needs: the router's retry, not the test's.
-                "serving": {"max_attempts": 2},
-                # d1 lets an answer whose consumer dies go on (tests/real/test_continuation.py).
-                "continuation": {"enabled": CONTINUATION},
-                "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
+        whole_journal_path = LOG_DIR / "journal-whole.jsonl"
+        settings: dict[str, Any] = {
+            "model": MODEL,
+            # A CPU engine on a busy 2-core machine: slow first tokens are not faults here.
+            "engine": {
+                "first_token_timeout_s": 60.0,
+                "decode_read_timeout_s": 60.0,
+                # Each /metrics read costs a CPU engine's API server real work.
+                "metrics_interval_s": 2.0,
+                "kv_lease_s": KV_LEASE_S,
             },
-            source="tests/real",
+            # A prefill that waited past the handoff bound is tried afresh, as a fleet
+            # on a shared CPU needs: the router's retry, not the test's.
+            "serving": {"max_attempts": 2},
+            # d1 lets an answer whose consumer dies go on (tests/real/test_continuation.py).
+            "continuation": {"enabled": CONTINUATION},
+            "engines": [{"id": e.name, "url": e.url, "role": e.role} for e in fleet],
+        }
+        config = parse_config(
+            {**settings, "journal": {"path": str(journal_path)}}, source="tests/real"
+        )
+        # The same fleet behind a router whose non-streaming decodes are asked for whole
+        # (tests/real/test_whole_answers.py); it leaves reading /metrics to the first.
+        whole_config = parse_config(
+            {
+                **settings,
+                "journal": {"path": str(whole_journal_path)},
+                "engine": {
+                    **settings["engine"],
+                    "metrics_interval_s": 0,
+                    "nonstream_decode": "whole",
+                },
+            },
+            source="tests/real (whole answers)",
         )
         server = RouterServer(config, port=0)
+        whole = RouterServer(whole_config, port=0)
         await server.start()
+        await whole.start()
         try:
-            yield RealStack(fleet, server, journal_path)
+            yield RealStack(fleet, server, journal_path, whole, whole_journal_path)
         finally:
+            await whole.stop()
             await server.stop()
     FIGURES["engine logs"] = str(LOG_DIR)
 

@@ -47,6 +47,9 @@ class RealStack:
     fleet: VllmFleet
     server: RouterServer
     journal_path: Path
+    # A second router over the same engines, with `engine.nonstream_decode = "whole"`.
+    whole: RouterServer | None = None
+    whole_journal_path: Path | None = None
 
     @property
     def producer(self) -> VllmEngine:
@@ -59,6 +62,11 @@ class RealStack:
     def openai(self) -> AsyncOpenAI:
         """The official client, pointed at the router."""
         return _client(self.server.url)
+
+    def whole_openai(self) -> AsyncOpenAI:
+        """The official client, pointed at the router that asks for whole answers."""
+        assert self.whole is not None
+        return _client(self.whole.url)
 
     def direct(self, engine: VllmEngine) -> AsyncOpenAI:
         """The official client, pointed at one engine alone (no handoff)."""
