@@ -1,16 +1,12 @@
-"""The fleet file: defaults, strict types and ranges, unknown keys, cross-field rules, reports."""
+"""The fleet file: defaults, strict types and ranges, unknown keys, cross-field rules and the
+config object (reports: `test_report.py`; any valid fleet: `test_root_fleets.py`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import re
-import string
-import tempfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -19,9 +15,7 @@ from hypothesis import strategies as st
 from narwhal.config.controller import ControllerConfig, SloConfig
 from narwhal.config.engine_spec import ContractValue, EngineContract, EngineSpec, Role
 from narwhal.config.placement import PlacementConfig
-from narwhal.config.report import validate_command
 from narwhal.config.root import (
-    Config,
     ConfigError,
     EngineConfig,
     JournalConfig,
@@ -34,45 +28,20 @@ from narwhal.config.root import (
     parse_config,
 )
 from narwhal.config.tracing import TracingConfig
+from support.configs import (
+    CONTRACT,
+    FLOAT_PATHS,
+    INT_PATHS,
+    MINIMAL,
+    SECTIONS,
+    STRING_PATHS,
+    problem,
+    problems,
+    with_value,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
-
-MINIMAL: dict[str, Any] = {
-    "model": "m",
-    "engines": [
-        {"id": "p0", "url": "http://10.0.0.1:8100", "role": "prefill"},
-        {"id": "d0", "url": "http://10.0.0.2:8100", "role": "decode"},
-    ],
-}
-
-SECTIONS = ("server", "engine", "serving", "recovery", "journal")
-
-
-def with_value(path: str, value: object, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A copy of the minimal fleet (or `base`) with the key at `path` set to `value`."""
-    data = copy.deepcopy(MINIMAL if base is None else base)
-    *parents, last = path.split(".")
-    node = data
-    for part in parents:
-        name, _, index = part.partition("[")
-        node = node.setdefault(name, {})
-        if index:
-            node = node[int(index.rstrip("]"))]
-    node[last] = value
-    return data
-
-
-def problems(data: object) -> tuple[str, ...]:
-    with pytest.raises(ConfigError) as caught:
-        parse_config(data)  # type: ignore[arg-type]
-    return caught.value.problems
-
-
-def problem(data: object) -> str:
-    (only,) = problems(data)
-    return only
-
 
 # --- Defaults and sources ------------------------------------------------------------------
 
@@ -269,56 +238,11 @@ def test_a_number_must_be_finite(value: object) -> None:
 
 # --- Types ---------------------------------------------------------------------------------
 
-INT_PATHS = [
-    "server.port",
-    "serving.max_attempts",
-    "serving.retry_budget",
-    "serving.max_request_bytes",
-    "serving.queue_capacity",
-    "recovery.eject_after",
-    "engines[0].max_prefill_seats",
-    "engines[1].max_decode_seats",
-    "engine_contract.block_size",
-    "engine_contract.tp_size",
-]
-FLOAT_PATHS = [
-    "server.graceful_timeout_s",
-    "server.client_timeout_s",
-    "engine.first_token_timeout_s",
-    "engine.decode_read_timeout_s",
-    "engine.prefill_timeout_s",
-    "engine.connect_timeout_s",
-    "engine.health_timeout_s",
-    "engine.kv_lease_s",
-    "serving.request_timeout_s",
-    "serving.retry_replenish",
-    "serving.queue_timeout_s",
-    "recovery.readmit_interval_s",
-    "recovery.failure_quarantine_s",
-]
 ZERO_ALLOWED = {
     "server.graceful_timeout_s",
     "engine.decode_read_timeout_s",
     "serving.retry_replenish",
     "recovery.failure_quarantine_s",
-}
-STRING_PATHS = [
-    "model",
-    "server.host",
-    "engine.ca_bundle",
-    "journal.path",
-    "engine_contract.engine_version",
-    "engine_contract.model",
-    "engine_contract.connector",
-    "engines[0].url",
-    "engines[0].identity_url",
-]
-CONTRACT = {
-    "engine_version": "0.11.0",
-    "model": "m",
-    "connector": "NixlConnector",
-    "block_size": 16,
-    "tp_size": 1,
 }
 WITH_CONTRACT = {**MINIMAL, "engine_contract": CONTRACT}
 
@@ -623,123 +547,6 @@ def test_a_refused_role_does_not_also_report_a_missing_leg() -> None:
     )
 
 
-# --- Reports -------------------------------------------------------------------------------
-
-
-def test_all_problems_are_collected_in_one_error() -> None:
-    data = with_value("serving.bogus", 1, with_value("engine.first_token_timeout_s", -1))
-    data["engines"][1]["id"] = "p0"
-    data["engines"].append({"id": "w0", "url": "http://10.0.0.3:8100", "role": "writer"})
-    assert problems(data) == (
-        "engine.first_token_timeout_s: must be a number > 0, got -1",
-        "serving.bogus: unknown key",
-        'engines[2].role: must be one of "prefill", "decode", "both", got "writer"',
-        'engines[1].id: duplicate engine id "p0"',
-    )
-
-
-def test_the_error_text_is_one_problem_per_line() -> None:
-    with pytest.raises(ConfigError) as caught:
-        parse_config({"model": ""}, source="<dev>")
-    assert str(caught.value) == (
-        'model: must be a non-empty string, got ""\nengines: required key is missing'
-    )
-    assert caught.value.report() == (
-        "<dev>: 2 problems\n"
-        '  model: must be a non-empty string, got ""\n'
-        "  engines: required key is missing"
-    )
-
-
-def test_credentials_are_withheld_from_problems() -> None:
-    secret = "sk-live-0123456789"
-    found = problems(
-        with_value("engine.api_key_env", secret, with_value("server.admin_api_keys", secret))
-    )
-    assert found == (
-        "server.admin_api_keys: must be a list of strings, "
-        "got a string of 18 characters (value withheld)",
-        "engine.api_key_env: must be the name of an environment variable (letters, digits and "
-        "_, not starting with a digit), got a string of 18 characters (value withheld)",
-    )
-
-
-def test_a_printed_config_does_not_show_api_keys() -> None:
-    config = parse_config(with_value("server.api_keys", ["sk-live-0123456789"]))
-    assert config.server.api_keys == ("sk-live-0123456789",)
-    assert "sk-live" not in repr(config)
-
-
-def test_validate_prints_a_summary_and_ok_and_returns_zero(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    assert validate_command(DATA / "small.toml") == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out == [
-        f"{DATA / 'small.toml'}: OK",
-        "  model: tiny",
-        "  engines: 2 (1 prefill, 1 decode, 0 both)",
-        "  timeouts: first token 3 s, decode read 10 s, prefill 20 s, queue 30 s, request 60 s",
-        "  handoff bound: 25.4167 s (kv lease 30.5 s less a sixth)",
-        "  breaker: eject after 3 failures, at most 0.5 of a phase ejected; readmission every "
-        "10 s, 1 s while a phase has no admitted engine",
-        '  engine contract: engine_version = "0.11.0", model = "tiny", connector = '
-        '"NixlConnector", block_size = 16, tp_size = 1, dtype = "bfloat16", enforce_eager = true',
-        "  tracing: on only if the environment names an OTLP endpoint (OTEL_EXPORTER_OTLP_*)",
-    ]
-
-
-def test_an_unset_timeout_is_clamped_to_the_request_deadline_and_shown_as_derived(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps({**MINIMAL, "serving": {"request_timeout_s": 2.5}}))
-    config = load_config(path)
-    assert config.serving.queue_timeout_s == 2.5
-    assert config.engine.prefill_timeout_s == 2.5
-    assert config.engine.decode_read_timeout_s == 2.5
-    assert config.engine.first_token_timeout_s == 2.5
-    assert validate_command(path) == 0
-    out = capsys.readouterr().out
-    assert "first token 2.5 s, decode read 2.5 s (derived), prefill 2.5 s (derived)" in out
-    assert "queue 2.5 s (derived), request 2.5 s" in out
-
-
-def test_an_unset_urgent_interval_follows_a_shorter_readmission_interval() -> None:
-    config = parse_config({**MINIMAL, "recovery": {"readmit_interval_s": 0.5}})
-    assert config.recovery.urgent_readmit_interval_s == 0.5
-    assert config.derived == ("recovery.urgent_readmit_interval_s",)
-
-
-def test_two_explicit_contradictory_values_are_still_an_error() -> None:
-    data = {**MINIMAL, "serving": {"request_timeout_s": 2.5, "queue_timeout_s": 5}}
-    assert problem(data) == (
-        "serving.queue_timeout_s: must not exceed serving.request_timeout_s (2.5), got 5"
-    )
-
-
-def test_validate_reports_each_problem_and_returns_one(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(with_value("server.port", 70000, with_value("serving.x", 1))))
-    assert validate_command(path) == 1
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.splitlines() == [
-        f"{path}: 2 problems",
-        "  server.port: must be an integer in 0..65535, got 70000",
-        "  serving.x: unknown key",
-    ]
-
-
-def test_validate_reports_a_missing_file_the_same_way(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert validate_command(tmp_path / "nope.toml") == 1
-    assert capsys.readouterr().err == f"{tmp_path / 'nope.toml'}: 1 problem\n  file not found\n"
-
-
 # --- The config object ---------------------------------------------------------------------
 
 
@@ -769,156 +576,3 @@ def test_the_config_is_frozen() -> None:
         config.model = "other"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.serving.max_attempts = 5  # type: ignore[misc]
-
-
-# --- Any valid fleet -----------------------------------------------------------------------
-
-names = st.text(string.ascii_letters + string.digits + "._-", min_size=1, max_size=16)
-texts = st.text(min_size=1, max_size=20)
-short = st.one_of(st.integers(1, 100), st.floats(0.001, 100))
-short_or_zero = st.one_of(st.integers(0, 100), st.floats(0, 100))
-long = st.one_of(st.integers(200, 10**6), st.floats(200, 10**6))
-
-
-@st.composite
-def fleets(draw: st.DrawFn) -> dict[str, Any]:
-    """Valid fleet mappings: any subset of keys, values in range, cross-field rules kept."""
-
-    def section(**keys: st.SearchStrategy[Any]) -> dict[str, Any]:
-        return draw(st.fixed_dictionaries({}, optional=keys))
-
-    model = draw(texts)
-    data: dict[str, Any] = {"model": model}
-    data["server"] = section(
-        host=st.sampled_from(["127.0.0.1", "0.0.0.0", "router.internal"]),
-        port=st.integers(0, 65535),
-        graceful_timeout_s=short_or_zero,
-        client_timeout_s=short,
-        api_keys=st.lists(texts, max_size=3),
-        admin_api_keys=st.lists(texts, max_size=3),
-    )
-    data["engine"] = section(
-        first_token_timeout_s=short,
-        decode_read_timeout_s=short_or_zero,
-        prefill_timeout_s=short,
-        connect_timeout_s=long,
-        health_timeout_s=long,
-        kv_lease_s=long,
-        api_key_env=st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True),
-        ca_bundle=texts,
-    )
-    data["serving"] = section(
-        request_timeout_s=long,
-        max_attempts=st.integers(1, 10),
-        retry_budget=st.integers(0, 10**6),
-        retry_replenish=short_or_zero,
-        max_request_bytes=st.integers(1, 2**40),
-        queue_capacity=st.integers(0, 10**6),
-        queue_timeout_s=short,
-    )
-    data["recovery"] = section(
-        eject_after=st.integers(1, 100),
-        readmit_interval_s=long,
-        failure_quarantine_s=short_or_zero,
-        restart_policy=st.sampled_from(["individual", "whole_wave"]),
-    )
-    data["journal"] = section(path=texts)
-    if draw(st.booleans()):
-        extra = st.one_of(texts, st.integers(), st.floats(allow_nan=False, allow_infinity=False))
-        data["engine_contract"] = {
-            **draw(st.dictionaries(st.sampled_from(["dtype", "quant", "x"]), extra)),
-            **{**CONTRACT, "model": model},
-        }
-    roles = draw(st.lists(st.sampled_from(["prefill", "decode", "both"]), min_size=1, max_size=6))
-    if not any(role != "decode" for role in roles):
-        roles[0] = "both"
-    if not any(role != "prefill" for role in roles):
-        roles[-1] = "both"
-    ids = draw(st.lists(names, min_size=len(roles), max_size=len(roles), unique=True))
-    data["engines"] = [
-        {
-            "id": engine_id,
-            "url": draw(st.sampled_from(["http", "https"]))
-            + f"://10.0.0.{index + 1}:{draw(st.integers(1, 65535))}"
-            + draw(st.sampled_from(["", "/"])),
-            "role": role,
-            **section(
-                max_prefill_seats=st.integers(0, 1024),
-                max_decode_seats=st.integers(0, 1024),
-                identity_url=st.just(f"http://10.0.0.{index + 1}:9100/identity"),
-                kv_hosts=st.lists(st.sampled_from(["10.1.0.1", "gpu-1.kv", "fd00::1"])),
-            ),
-        }
-        for index, (engine_id, role) in enumerate(zip(ids, roles, strict=True))
-    ]
-    return data
-
-
-def expected(value: object) -> object:
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, str) and re.fullmatch(r"https?://10\.0\.0\.\d+:\d+/", value):
-        return value[:-1]
-    return value
-
-
-@given(fleets())
-def test_any_valid_fleet_is_accepted_carrying_each_value_given(data: dict[str, Any]) -> None:
-    config = parse_config(data)
-    assert config.model == data["model"]
-    for name in SECTIONS:
-        for key, value in data[name].items():
-            assert getattr(getattr(config, name), key) == expected(value), f"{name}.{key}"
-    for spec, entry in zip(config.engines, data["engines"], strict=True):
-        for key, value in entry.items():
-            assert getattr(spec, key) == expected(value), f"engines.{key}"
-    if "engine_contract" in data:
-        contract = config.engine_contract
-        assert contract is not None
-        pinned = {key: getattr(contract, key) for key in CONTRACT}
-        assert pinned | dict(contract.extra) == data["engine_contract"]
-
-
-@given(fleets())
-def test_any_valid_fleet_reads_the_same_from_a_json_file(data: dict[str, Any]) -> None:
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "fleet.json"
-        path.write_text(json.dumps(data))
-        assert load_config(path) == parse_config(data)
-
-
-@given(fleets(), st.sampled_from(INT_PATHS[:6]), st.booleans())
-def test_any_valid_fleet_with_a_boolean_for_an_integer_is_refused(
-    data: dict[str, Any], path: str, value: bool
-) -> None:
-    found = problems(with_value(path, value, data))
-    assert any(p.startswith(f"{path}: must be an integer") for p in found)
-
-
-def test_a_config_built_directly_uses_the_same_defaults() -> None:
-    spec = EngineSpec("b0", "http://10.0.0.1:1", Role.BOTH)
-    assert Config("m", (spec,)) == parse_config(
-        {"model": "m", "engines": [{"id": "b0", "url": "http://10.0.0.1:1", "role": "both"}]}
-    )
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
-    max_leaves=8,
-)
-
-
-@given(
-    fleets(),
-    st.sampled_from([*INT_PATHS[:6], *FLOAT_PATHS, *STRING_PATHS, "engines[0].role", "server"]),
-    json_values,
-)
-def test_any_value_anywhere_gives_a_config_or_a_config_error(
-    data: dict[str, Any], path: str, value: object
-) -> None:
-    try:
-        parse_config(with_value(path, value, data))
-    except ConfigError as error:
-        assert error.problems
-        assert all(": " in problem for problem in error.problems)
