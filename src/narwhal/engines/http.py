@@ -253,11 +253,14 @@ class Connection(asyncio.Protocol):
             # limit; the end of the body and failures wake as usual.
             span = self._span
             edge = self._tail + body[:span]
-            if any(marker in body or marker in edge for marker in self._markers):
-                self._marked = True
-            elif self._buffered < self._bulk_limit:
-                self._tail = body[-span:] if len(body) >= span else edge[-span:]
-                return
+            for marker in self._markers:  # a loop, not any(): no generator per piece
+                if marker in body or marker in edge:
+                    self._marked = True
+                    break
+            else:
+                if self._buffered < self._bulk_limit:
+                    self._tail = body[-span:] if len(body) >= span else edge[-span:]
+                    return
         self._wake()
 
     def on_message_complete(self) -> None:

@@ -20,7 +20,7 @@ from msgspec import UNSET, UnsetType
 from narwhal.protocol.bodies import Endpoint
 
 
-class _CompletionChoice(msgspec.Struct, forbid_unknown_fields=True):
+class _CompletionChoice(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     index: int | None = None
     text: str | None = None
     logprobs: None = None
@@ -30,7 +30,7 @@ class _CompletionChoice(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: None = None
 
 
-class _CompletionChunk(msgspec.Struct, forbid_unknown_fields=True):
+class _CompletionChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     id: str | None = None
     object: str | None = None
     created: int | None = None
@@ -40,14 +40,14 @@ class _CompletionChunk(msgspec.Struct, forbid_unknown_fields=True):
     system_fingerprint: str | None = None
 
 
-class _Delta(msgspec.Struct, forbid_unknown_fields=True):
+class _Delta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # Absent and null differ here: a delta with a `role` may be the role announcement.
     role: str | UnsetType | None = UNSET
     content: str | None = None
     reasoning: str | None = None
 
 
-class _ChatChoice(msgspec.Struct, forbid_unknown_fields=True):
+class _ChatChoice(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     index: int | None = None
     delta: _Delta | None = None
     logprobs: None = None
@@ -56,7 +56,7 @@ class _ChatChoice(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: None = None
 
 
-class _ChatChunk(msgspec.Struct, forbid_unknown_fields=True):
+class _ChatChunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     id: str | None = None
     object: str | None = None
     created: int | None = None
