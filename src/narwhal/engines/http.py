@@ -14,6 +14,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -215,11 +216,14 @@ class Connection(asyncio.Protocol):
         self._received = True
         if self._on_data is not None:
             self._on_data()
+        held = len(self._body)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(ConnectionBroken(f"malformed HTTP response: {exc}"))
             self.close()
+        if self._markers and len(self._body) > held:
+            self._bulk_arrived(held)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -248,19 +252,27 @@ class Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        if self._markers:
-            # Bulk reading: wake only for a marker (also one split between pieces) or the
-            # limit; the end of the body and failures wake as usual.
-            span = self._span
-            edge = self._tail + body[:span]
-            for marker in self._markers:  # a loop, not any(): no generator per piece
-                if marker in body or marker in edge:
-                    self._marked = True
-                    break
-            else:
-                if self._buffered < self._bulk_limit:
-                    self._tail = body[-span:] if len(body) >= span else edge[-span:]
-                    return
+        if not self._markers:
+            self._wake()
+        # Bulk reading: the pieces of one transport read are judged together, once it is
+        # fed (`_bulk_arrived`), rather than piece by piece.
+
+    def _bulk_arrived(self, held: int) -> None:
+        """Bulk reading: wake only for a marker (also one split between pieces or reads)
+        or the limit; the end of the body and failures wake as usual. `held` is how many
+        pieces were held before this read's."""
+        body = self._body
+        new = body[-1] if len(body) == held + 1 else b"".join(islice(body, held, None))
+        span = self._span
+        edge = self._tail + new[:span]
+        for marker in self._markers:
+            if marker in new or marker in edge:
+                self._marked = True
+                break
+        else:
+            if self._buffered < self._bulk_limit:
+                self._tail = new[-span:] if len(new) >= span else edge[-span:]
+                return
         self._wake()
 
     def on_message_complete(self) -> None:
