@@ -16,13 +16,13 @@ async def test_an_engine_fault_counts_against_the_engine_it_names() -> None:
     stack = path(config(ENGINES, recovery={"max_ejected_fraction": 1.0}), FakeLegs())
     reservation = await stack.fleet.reserve(frozenset(), None)
     error = engine_error(Cause.SILENCE, "silent", "d0")
-    stack.outcome.leg(reservation, Phase.DECODE, error)
+    stack.outcome.failed(reservation, error)
     d0, p0 = stack.fleet.by_id["d0"], stack.fleet.by_id["p0"]
     assert d0.failures == {"silence": 1} and d0.streak == 1
     assert p0.failures == {} and p0.streak == 0
     # A crossed decode's failure remembers its producer, for readmission's probe.
-    stack.outcome.leg(reservation, Phase.DECODE, error)
-    stack.outcome.leg(reservation, Phase.DECODE, error)
+    stack.outcome.failed(reservation, error)
+    stack.outcome.failed(reservation, error)
     assert d0.ejected and d0.probe_producer == "p0"
 
 
@@ -39,16 +39,16 @@ async def test_an_engine_fault_counts_against_the_engine_it_names() -> None:
 async def test_what_is_not_an_engines_fault_counts_against_nobody(error: NarwhalError) -> None:
     stack = path(config(ENGINES), FakeLegs())
     reservation = await stack.fleet.reserve(frozenset(), None)
-    stack.outcome.leg(reservation, Phase.DECODE, error)
+    stack.outcome.failed(reservation, error)
     assert all(e.failures == {} and e.streak == 0 for e in stack.fleet.engines)
 
 
 async def test_a_failure_quarantines_unless_the_handoff_merely_expired() -> None:
     stack = path(config(ENGINES, recovery={"failure_quarantine_s": 5}), FakeLegs())
     reservation = await stack.fleet.reserve(frozenset(), None)
-    stack.outcome.leg(reservation, Phase.PREFILL, engine_error(Cause.HANDOFF_EXPIRED, "old", "p0"))
+    stack.outcome.failed(reservation, engine_error(Cause.HANDOFF_EXPIRED, "old", "p0"))
     assert stack.fleet.by_id["p0"].quarantines == 0
-    stack.outcome.leg(reservation, Phase.DECODE, engine_error(Cause.SILENCE, "silent", "d0"))
+    stack.outcome.failed(reservation, engine_error(Cause.SILENCE, "silent", "d0"))
     assert stack.fleet.by_id["d0"].quarantines == 1
 
 
@@ -57,13 +57,13 @@ async def test_a_passed_prefill_clears_its_producer_and_a_fallback_has_none() ->
     reservation = await stack.fleet.reserve(frozenset(), None)
     p0, d0 = stack.fleet.by_id["p0"], stack.fleet.by_id["d0"]
     p0.streak = d0.streak = 2
-    stack.outcome.leg(reservation, Phase.PREFILL, None)
+    stack.outcome.passed(reservation, Phase.PREFILL)
     assert p0.streak == 0 and d0.streak == 2
     reservation.release()
     fallback = await stack.fleet.reserve(frozenset({"p0"}), None)
     assert fallback.fallback
     p0.streak = 2
-    stack.outcome.leg(fallback, Phase.PREFILL, None)
+    stack.outcome.passed(fallback, Phase.PREFILL)
     assert p0.streak == 2
 
 

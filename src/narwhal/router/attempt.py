@@ -224,9 +224,9 @@ class Attempt:
         except NarwhalError as error:
             # The descriptor passed validation unless the producer is the one blamed.
             if error.engine != producer.id:
-                self.outcome.leg(reservation, Phase.PREFILL, None)
+                self.outcome.passed(reservation, Phase.PREFILL)
             raise
-        self.outcome.leg(reservation, Phase.PREFILL, None)
+        self.outcome.passed(reservation, Phase.PREFILL)
         if call.handoff == "crossed":
             consumer.crossed_decodes += 1
         if not rescue:

@@ -34,29 +34,20 @@ class Outcome:
         self.continuation_budget = continuation_budget
         self.failure_quarantine_s = failure_quarantine_s
 
-    def leg(self, reservation: Reservation, phase: Phase, error: NarwhalError | None) -> None:
-        """A leg of `reservation` ended: well (`error` None) or with `error`.
+    def passed(self, reservation: Reservation, phase: Phase) -> None:
+        """A leg of `reservation` ended well: its engine's breaker streak clears.
 
-        The prefill leg succeeds once its descriptor passed validation (a rejected
+        The prefill leg passes once its descriptor passed validation (a rejected
         descriptor is the producer's failure); an aggregate fallback has no prefill leg.
-        A failure is judged by the engine it names, whichever leg reports it.
         """
-        if error is not None:
-            self._blame(error, reservation)
-        elif phase is Phase.DECODE:
+        if phase is Phase.DECODE:
             self.breaker.success(reservation.consumer.id)
         elif not reservation.fallback:
             self.breaker.success(reservation.producer.id)
 
-    def answered(self, *, tracked: bool) -> None:
-        """A request was answered in full: the budgets earn credit (the continuation
-        budget from the requests that could have been continued)."""
-        self.budget.on_success()
-        if tracked:
-            self.continuation_budget.on_success()
-
-    def _blame(self, error: NarwhalError, reservation: Reservation) -> None:
-        """Count an engine's own fault against it: failures, breaker, quarantine.
+    def failed(self, reservation: Reservation, error: NarwhalError) -> None:
+        """A leg of `reservation` failed with `error`, judged by the engine it names,
+        whichever leg reports it: failures, breaker, quarantine.
 
         A client's 4xx never counts. A crossed decode's failure remembers its producer,
         so that readmission can probe the same pairing.
@@ -71,3 +62,10 @@ class Outcome:
         seconds = self.failure_quarantine_s
         if seconds > 0 and error.cause is not Cause.HANDOFF_EXPIRED and not engine.ejected:
             self.fleet.quarantine(engine, seconds, error.cause.value)
+
+    def answered(self, *, tracked: bool) -> None:
+        """A request was answered in full: the budgets earn credit (the continuation
+        budget from the requests that could have been continued)."""
+        self.budget.on_success()
+        if tracked:
+            self.continuation_budget.on_success()

@@ -174,8 +174,7 @@ class RequestPath:
             # A continuable request never comes here: continuing needs a streamed decode.
 
             async def forward_answer(answer: WholeAnswer) -> None:
-                for hook in self.first_token_hooks:
-                    hook(call, call.stage_at)
+                self._first_token(call)
                 await forward(reply, call, answer)
 
             whole = await self.retries.run_whole(call, first, forward_answer)
@@ -185,8 +184,7 @@ class RequestPath:
             return
 
         async def answer(stream: DecodeStream) -> None:
-            for hook in self.first_token_hooks:
-                hook(call, call.stage_at)
+            self._first_token(call)
             if request.stream:
                 await relay(reply, call, stream)
             else:
@@ -199,6 +197,11 @@ class RequestPath:
                 not_continued(call, request, config.continuation)
             raise error
         self.outcome.answered(tracked=False)
+
+    def _first_token(self, call: Call) -> None:
+        """The request's first token (or whole answer) goes out to its client."""
+        for hook in self.first_token_hooks:
+            hook(call, call.stage_at)
 
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new requests, let running ones finish for `grace_s`,

@@ -107,7 +107,7 @@ class Rescue:
             self.progress.settle()
             if self.progress.finished:
                 # Every token is in; only the usage chunk or [DONE] went missing.
-                self.outcome.leg(relayed.reservation, Phase.DECODE, None)
+                self.outcome.passed(relayed.reservation, Phase.DECODE)
                 return await self._end(None)
             call.attempt_failed(error)
             self.failed_consumers.add(consumer)

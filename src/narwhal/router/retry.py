@@ -152,8 +152,7 @@ class Retries:
                     stream = await attempt(call, request, reservation, rescue=tries.rescue)
                 except NarwhalError as error:
                     call.attempt_failed(error)
-                    phase = Phase.PREFILL if call.stage is Stage.PREFILL else Phase.DECODE
-                    self.outcome.leg(reservation, phase, error)
+                    self.outcome.failed(reservation, error)
                     tries.failed(call, error, reservation)
                     continue
                 try:
@@ -161,7 +160,7 @@ class Retries:
                         call.enter(Stage.RELAY)
                         await relay(stream)
                 except NarwhalError as error:
-                    self.outcome.leg(reservation, Phase.DECODE, error)
+                    self.outcome.failed(reservation, error)
                     return Relayed(reservation, stream, error)
-                self.outcome.leg(reservation, Phase.DECODE, None)
+                self.outcome.passed(reservation, Phase.DECODE)
                 return Relayed(reservation, stream, None)
