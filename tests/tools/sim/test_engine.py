@@ -317,6 +317,8 @@ async def test_info_routes_answer_like_vllm(sim: Sim) -> None:
     assert identity == {
         "engine_version": "0.11.0",
         "model": "tiny",
+        "lora_adapters": {},
+        "runtime_lora_updating": False,
         "connector": "NixlConnector",
         "block_size": 16,
         "tp_size": 1,

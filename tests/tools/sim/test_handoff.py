@@ -252,3 +252,110 @@ async def test_a_prefill_aborted_before_it_answers_holds_nothing(sim: Sim) -> No
     await asyncio.sleep(0.3)
     assert producer.held_block_count() == 0
     assert producer.waiting_count() == 0
+
+
+ADAPTERS = (("sql", "/adapters/sql"), ("poet", "/adapters/poet"))
+GREEDY = ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+
+
+async def _lora_pair(sim: Sim, **consumer: Any) -> tuple[SimEngine, SimEngine]:
+    producer = await sim.start(name="p", model="base", lora_modules=ADAPTERS)
+    options = {"name": "d", "model": "base", "lora_modules": ADAPTERS} | consumer
+    return producer, await sim.start(**options)
+
+
+async def _alone(sim: Sim, engine: SimEngine, model: str) -> str:
+    path, body = GREEDY
+    return (await sim.stream(engine, path, body | {"model": model})).text
+
+
+async def _handoff(
+    sim: Sim, producer: SimEngine, consumer: SimEngine, prefill_model: str, decode_model: str
+) -> tuple[Stream, Any]:
+    path, body = GREEDY
+    descriptor = await _prefill(sim, producer, path, body | {"model": prefill_model})
+    stream = await _decode(sim, consumer, path, body | {"model": decode_model}, descriptor)
+    return stream, descriptor
+
+
+@pytest.mark.parametrize("model", ["base", "sql"])
+async def test_a_handoff_within_one_adapter_answers_that_adapters_text(
+    sim: Sim, model: str
+) -> None:
+    producer, consumer = await _lora_pair(sim)
+    stream, descriptor = await _handoff(sim, producer, consumer, model, model)
+    assert stream.done and stream.text == await _alone(sim, producer, model)
+    adapter = None if model == "base" else model
+    [handoff] = consumer.handoffs
+    assert (handoff.producer_model, handoff.producer_adapter) == ("base", adapter)
+    assert (handoff.consumer_model, handoff.consumer_adapter) == ("base", adapter)
+    assert (handoff.blocks, handoff.ok) == (len(_blocks(descriptor)), True)
+    assert handoff.request_id.startswith("cmpl-")
+    assert handoff.remote_request_id == descriptor["remote_request_id"]
+    assert handoff.producer_engine_id == producer.engine_id
+    assert consumer.crossed_handoffs() == []
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("sql", "poet"), ("base", "sql"), ("sql", "base")])
+async def test_a_handoff_across_adapters_answers_a_text_wrong_for_both(
+    sim: Sim, prefill: str, decode: str
+) -> None:
+    producer, consumer = await _lora_pair(sim)
+    stream, _ = await _handoff(sim, producer, consumer, prefill, decode)
+    assert stream.status == 200 and stream.done and stream.text
+    assert stream.text not in (
+        await _alone(sim, producer, prefill),
+        await _alone(sim, consumer, decode),
+    )
+    assert producer.held_block_count() == 0
+    [handoff] = consumer.crossed_handoffs()
+    assert handoff.ok and handoff.crossed_adapter and not handoff.crossed_model
+    assert (handoff.producer_adapter, handoff.consumer_adapter) == (
+        None if prefill == "base" else prefill,
+        None if decode == "base" else decode,
+    )
+    report = (await sim.get(consumer, "/sim/handoffs"))[1]
+    assert b'"crossed_adapters":1' in report and b'"crossed_models":0' in report
+
+
+async def test_a_handoff_across_base_models_fails_as_nixls_check_fails(sim: Sim) -> None:
+    producer = await sim.start(name="p", model="base-a")
+    consumer = await sim.start(name="d", model="base-b")
+    stream, descriptor = await _handoff(sim, producer, consumer, "base-a", "base-b")
+    assert stream.output_events == [] and stream.done
+    error = stream.events[-1]["error"]
+    assert (error["type"], error["code"]) == ("InternalServerError", 500)
+    assert "KV transfer failed" in error["message"] and "compatibility" in error["message"]
+    # No transfer: the producer keeps the blocks until its lease ends.
+    assert producer.held_block_count() == len(_blocks(descriptor))
+    [handoff] = consumer.handoffs
+    assert (handoff.producer_model, handoff.consumer_model) == ("base-a", "base-b")
+    assert handoff.crossed_model and not handoff.ok
+    assert consumer.crossed_handoffs() == [handoff]
+
+
+async def test_a_handoff_across_base_models_is_recomputed_with_policy_recompute(
+    sim: Sim,
+) -> None:
+    producer = await sim.start(name="p", model="base-a")
+    consumer = await sim.start(name="d", model="base-b", kv_load_failure_policy="recompute")
+    stream, _ = await _handoff(sim, producer, consumer, "base-a", "base-b")
+    assert stream.done and stream.text == await _alone(sim, consumer, "base-b")
+    assert [h.crossed_model for h in consumer.handoffs] == [True]
+
+
+@pytest.mark.parametrize("model", ["narwhal-release-abandoned-handoff", "poet"])
+async def test_a_decode_for_a_model_not_served_is_a_404_that_releases_the_blocks(
+    sim: Sim, model: str
+) -> None:
+    producer = await sim.start(name="p", model="base", lora_modules=ADAPTERS)
+    consumer = await sim.start(name="d", model="base", lora_modules=ADAPTERS[:1])
+    path, body = GREEDY
+    descriptor = await _prefill(sim, producer, path, body | {"model": "sql"})
+    assert producer.held_block_count() > 0
+    status, answer = await sim.post(
+        consumer, path, body | {"model": model, "kv_transfer_params": descriptor}
+    )
+    assert (status, answer["error"]["type"]) == (404, "NotFoundError")
+    await sim.until(lambda: producer.held_block_count() == 0)
+    assert list(consumer.handoffs) == []

@@ -56,6 +56,17 @@ def test_seed_matters_only_when_sampling() -> None:
     assert text(0.5, 1) != text(1.0, 1)
 
 
+def test_weights_change_the_text_even_when_greedy() -> None:
+    def text(weights: str | None, temperature: float = 0.0) -> str:
+        generation = Generation(PROMPT, Sampling(temperature), max_tokens=8, weights=weights)
+        _run(generation)
+        return generation.text
+
+    assert text("sql") == text("sql")
+    assert len({text(None), text("sql"), text("poet"), text("")}) == 4
+    assert text("sql", 1.0) != text(None, 1.0)
+
+
 def test_certain_eos_stops_at_the_first_token_with_no_text() -> None:
     generation = Generation(PROMPT, Sampling(), max_tokens=5, eos_probability=1.0)
     assert _run(generation) == [""]

@@ -59,3 +59,32 @@ def test_bad_values_are_rejected_naming_the_option(field: str, value: object) ->
 def test_faults_need_faults_enabled() -> None:
     with pytest.raises(ValueError, match="faults"):
         SimOptions(faults=(Fault(status=500),))
+
+
+def test_lora_flags_set_the_adapters_as_vllm_spells_them() -> None:
+    options = _parse(
+        "--model",
+        "base",
+        "--lora-modules",
+        "sql=/a/sql",
+        '{"name": "poet", "path": "/a/poet"}',
+        "--lora-modules",
+        "x=/a/x",
+        "--runtime-lora-updating",
+        "--check-lora-paths",
+    )
+    assert options.lora_modules == (("sql", "/a/sql"), ("poet", "/a/poet"), ("x", "/a/x"))
+    assert options.runtime_lora_updating and options.check_lora_paths
+    assert _parse().lora_modules == () and not _parse().runtime_lora_updating
+
+
+def test_a_bad_lora_module_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--lora-modules", "sql")
+    assert "name=path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("modules", [(("m", "/a"),), (("a", "/a"), ("a", "/b"))])
+def test_adapter_names_are_unique_and_not_the_models(modules: tuple[tuple[str, str], ...]) -> None:
+    with pytest.raises(ValueError, match="lora_modules"):
+        SimOptions(model="m", lora_modules=modules)

@@ -6,7 +6,7 @@ unknown fields are ignored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,15 +33,19 @@ _ERROR_TYPES = {
 class ApiError(Exception):
     """An error answered to the client, with the HTTP status it has."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, *, kind: str | None = None
+    ) -> None:
+        """`kind` is the error's `type`; by default the one vLLM gives its status."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind
 
     def to_json(self) -> dict[str, object]:
         """The newer vLLM error shape; `code` is the HTTP status."""
-        kind = _ERROR_TYPES.get(
+        kind = self.kind or _ERROR_TYPES.get(
             self.status, "InternalServerError" if self.status >= 500 else "BadRequestError"
         )
         return {
@@ -71,6 +75,10 @@ class InferenceRequest:
     kv_transfer_params: Mapping[str, object] | None
     # `return_token_ids`: the prompt's ids once and each event's generated ids.
     return_token_ids: bool = False
+    # The served name the request asked for (the base model's when it named none) and the
+    # LoRA adapter that name is, if any.
+    model: str = ""
+    adapter: str | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -87,8 +95,16 @@ class InferenceRequest:
         return "prefill" if self.is_prefill else "decode"
 
 
-def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -> InferenceRequest:
-    """Validate a request body; raises ApiError (400, or 404 for another model)."""
+def parse_request(
+    raw: bytes,
+    route: Route,
+    *,
+    model: str,
+    max_model_len: int,
+    adapters: Container[str] = (),
+) -> InferenceRequest:
+    """Validate a request body; raises ApiError (400, or 404 for a model that is neither
+    the base `model` nor one of its loaded `adapters`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -96,8 +112,15 @@ def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     requested_model = body.get("model")
-    if requested_model is not None and requested_model != model:
-        raise ApiError(404, f"The model `{requested_model}` does not exist.", "model")
+    adapter = None
+    if requested_model and requested_model != model:
+        if not isinstance(requested_model, str) or requested_model not in adapters:
+            raise ApiError(
+                404,
+                f"The model `{requested_model}` does not exist. Valid aliases: {model}.",
+                "model",
+            )
+        adapter = requested_model
     max_tokens_field = "max_tokens"
     if route == "chat":
         prompt_tokens = tokenize(chat_prompt(_messages(body)))
@@ -134,6 +157,8 @@ def parse_request(raw: bytes, route: Route, *, model: str, max_model_len: int) -
         include_usage=_include_usage(body, stream),
         kv_transfer_params=_kv_transfer_params(body),
         return_token_ids=_return_token_ids(body),
+        model=adapter or model,
+        adapter=adapter,
     )
 
 

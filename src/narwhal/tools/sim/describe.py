@@ -7,7 +7,11 @@ shapes them, so the router's contract checks read a simulated engine as a real o
 from __future__ import annotations
 
 import hashlib
+import secrets
+import time
+from collections.abc import Iterable
 
+from narwhal.tools.sim.lora import Adapter
 from narwhal.tools.sim.options import SimOptions
 
 
@@ -18,21 +22,35 @@ def fingerprint(options: SimOptions) -> str:
     return f"vllm-{options.version}-{digest}"
 
 
-def models(options: SimOptions, engine_id: str, start_time: float) -> dict[str, object]:
-    """The `/v1/models` listing: the one served model."""
-    model = {
-        "id": options.model,
+def models(
+    options: SimOptions, adapters: Iterable[Adapter], now: float | None = None
+) -> dict[str, object]:
+    """The `/v1/models` listing as vLLM 0.32 builds it: the base model's card, then one
+    per loaded adapter (its path as `root`, the base as `parent`, no `max_model_len`).
+    Each card and permission is made for the listing: `created` is now, and the
+    permission id fresh."""
+    created = int(time.time() if now is None else now)
+    base = _card(options.model, created, options.model, None, options.max_model_len)
+    cards = [_card(a.name, created, a.path, options.model, None) for a in adapters]
+    return {"object": "list", "data": [base, *cards]}
+
+
+def _card(
+    name: str, created: int, root: str, parent: str | None, max_model_len: int | None
+) -> dict[str, object]:
+    return {
+        "id": name,
         "object": "model",
-        "created": int(start_time),
+        "created": created,
         "owned_by": "vllm",
-        "root": options.model,
-        "parent": None,
-        "max_model_len": options.max_model_len,
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
         "permission": [
             {
-                "id": f"modelperm-{engine_id[:16]}",
+                "id": f"modelperm-{secrets.randbits(64):016x}",
                 "object": "model_permission",
-                "created": int(start_time),
+                "created": created,
                 "allow_create_engine": False,
                 "allow_sampling": True,
                 "allow_logprobs": True,
@@ -45,14 +63,17 @@ def models(options: SimOptions, engine_id: str, start_time: float) -> dict[str, 
             }
         ],
     }
-    return {"object": "list", "data": [model]}
 
 
-def identity(options: SimOptions, engine_id: str) -> dict[str, object]:
-    """`/sim/identity`: the contract fields a router pins."""
+def identity(
+    options: SimOptions, engine_id: str, adapters: Iterable[Adapter] = ()
+) -> dict[str, object]:
+    """`/sim/identity`: the contract fields a router pins, and the adapters served now."""
     return {
         "engine_version": options.version,
         "model": options.model,
+        "lora_adapters": {adapter.name: adapter.path for adapter in adapters},
+        "runtime_lora_updating": options.runtime_lora_updating,
         "connector": "NixlConnector",
         "block_size": options.kv_block_size,
         "tp_size": options.tp_size,

@@ -25,19 +25,27 @@ from narwhal.tools.sim.api import ApiError, InferenceRequest, Route, parse_reque
 from narwhal.tools.sim.describe import fingerprint, identity, models
 from narwhal.tools.sim.faults import ArmedFaults, Fault, FaultError
 from narwhal.tools.sim.generate import stream_tokens
-from narwhal.tools.sim.handoff import descriptor, rejected_handoff, release_rejected, renewing_lease
+from narwhal.tools.sim.handoff import (
+    Handoff,
+    descriptor,
+    handoff_report,
+    rejected_handoff,
+    release_rejected,
+    renewing_lease,
+)
 from narwhal.tools.sim.kv import (
     HeldBlocks,
     PrefixCache,
     SideChannel,
     block_digests,
 )
+from narwhal.tools.sim.lora import LoraRegistry, lora_routes
 from narwhal.tools.sim.metrics import Counters, render_metrics
 from narwhal.tools.sim.model import Generation
 from narwhal.tools.sim.options import SimOptions
 from narwhal.tools.sim.outputs import JsonOutput, Output, SseOutput, error_response
-from narwhal.tools.sim.prompt import Prompt, process_prompt
-from narwhal.tools.sim.responses import StreamEncoder, Usage
+from narwhal.tools.sim.prompt import Prompt, process_prompt, usage
+from narwhal.tools.sim.responses import StreamEncoder
 from narwhal.tools.sim.scheduler import Scheduler, Seat
 from narwhal.tools.sim.steps import StepLoop
 
@@ -50,7 +58,7 @@ LISTEN_BACKLOG = 2048
 burst of requests, which a GPU engine's server would have queued."""
 
 RECEIVED_KEPT = 1024
-"""How many recent inference requests an engine remembers for inspection."""
+"""How many recent inference requests (and KV pulls) an engine remembers for inspection."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,8 @@ class _Launch:
     faults: ArmedFaults
     counters: Counters
     steps: StepLoop
+    # The LoRA adapters loaded: the start-up ones again after a restart, as vLLM's.
+    loras: LoraRegistry
 
 
 class SimEngine:
@@ -106,12 +116,16 @@ class SimEngine:
         self._launch = self._new_launch()
         self._runner: web.AppRunner | None = None
         self._http: asyncio.Server | None = None
-        self._side_channel = SideChannel(lambda: self._launch.engine_id, lambda: self._launch.holds)
+        self._side_channel = SideChannel(
+            lambda: self._launch.engine_id, lambda: self._launch.holds, options.model
+        )
         self._port = options.port
         self._side_channel_port = options.side_channel_port
         self._reopen: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[object]] = set()
         self.received: deque[Received] = deque(maxlen=RECEIVED_KEPT)
+        # Every KV pull this engine made as a consumer, oldest first (across restarts).
+        self.handoffs: deque[Handoff] = deque(maxlen=RECEIVED_KEPT)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -187,12 +201,23 @@ class SimEngine:
         """KV blocks currently held for remote pulls."""
         return self._launch.holds.block_count()
 
-    def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
+    def cached_prefix_tokens(self, tokens: Sequence[int], adapter: str | None = None) -> int:
         """How many of the prompt's leading tokens the prefix cache holds now (whole
-        blocks), without touching their recency."""
+        blocks computed with `adapter`, None the base model), without touching their
+        recency."""
         size = self.options.kv_block_size
-        digests = block_digests(tokens, size)[: len(tokens) // size]
+        digests = block_digests(tokens, size, adapter)[: len(tokens) // size]
         return self._launch.prefix_cache.peek(digests) * size
+
+    @property
+    def loras(self) -> LoraRegistry:
+        """The LoRA adapters this engine serves now."""
+        return self._launch.loras
+
+    def crossed_handoffs(self) -> list[Handoff]:
+        """The pulls whose KV came from another base model or other weights than the
+        request's own: none, where a router keeps handoffs within one adapter."""
+        return [h for h in self.handoffs if h.crossed_model or h.crossed_adapter]
 
     def running_count(self) -> int:
         return self._launch.scheduler.running
@@ -231,6 +256,7 @@ class SimEngine:
                 route,
                 model=self.options.model,
                 max_model_len=self.options.max_model_len,
+                adapters=launch.loras,
             )
             fault = self._fault_for(request, inference, launch)
             blocks = self._blocks_needed(inference)
@@ -249,7 +275,7 @@ class SimEngine:
                 route,
                 response_id,
                 created,
-                options.model,
+                inference.model,
                 fingerprint=self.fingerprint,
                 reasoning_field=options.reasoning_field,
                 prompt_token_ids=inference.prompt_tokens if inference.return_token_ids else None,
@@ -261,7 +287,7 @@ class SimEngine:
                 inference,
                 response_id,
                 created,
-                options.model,
+                inference.model,
                 fingerprint=self.fingerprint,
                 reasoning_tokens=options.reasoning_tokens,
                 reasoning_field=options.reasoning_field,
@@ -293,6 +319,7 @@ class SimEngine:
                     prefix_cache=launch.prefix_cache,
                     counters=launch.counters,
                     steps=launch.steps,
+                    record=self.handoffs.append,
                 )
             except ApiError as error:
                 return await output.fail(error)
@@ -305,6 +332,7 @@ class SimEngine:
                 stop=inference.stop,
                 eos_probability=options.eos_probability,
                 empty_probability=options.empty_token_probability,
+                weights=prompt.weights,
             )
             await output.begin()
             cut_short = await self._generate(launch, prompt.tokens, generation, output, fault)
@@ -314,10 +342,10 @@ class SimEngine:
             descriptor = None
             if inference.is_prefill and not inference.stream:
                 descriptor = self._hold_for_pull(
-                    launch, seat, generation, prompt, response_id, fault
+                    launch, seat, generation, prompt, response_id, fault, inference.adapter
                 )
             return await output.finish(
-                generation, self._usage(inference, generation, prompt), descriptor
+                generation, usage(options, inference, generation, prompt), descriptor
             )
         except ConnectionError:
             # The client went away mid-stream: its request is over.
@@ -353,28 +381,6 @@ class SimEngine:
             )
         return blocks
 
-    def _usage(self, inference: InferenceRequest, generation: Generation, prompt: Prompt) -> Usage:
-        """The request's usage as vLLM 0.32 reports it.
-
-        Cached tokens (only with `enable_prompt_tokens_details`) are the local prefix-cache
-        hits; a decode whose KV came over the side channel reports the producer's own
-        hits instead (`remote_prefill_cached_tokens`), not the pulled tokens: so 0 for a
-        prompt the producer computed. Reasoning tokens are counted when a reasoning parser
-        is on (chat only).
-        """
-        options = self.options
-        cached = None
-        if options.enable_prompt_tokens_details:
-            cached = prompt.cached_tokens
-            params = inference.kv_transfer_params
-            remote = params.get("remote_prefill_cached_tokens") if params else None
-            if inference.is_remote_decode and type(remote) is int:
-                cached = remote
-        reasoning = None
-        if options.reasoning_tokens and inference.route == "chat":
-            reasoning = min(options.reasoning_tokens, generation.completion_tokens)
-        return Usage(len(inference.prompt_tokens), generation.completion_tokens, cached, reasoning)
-
     async def _generate(
         self,
         launch: _Launch,
@@ -402,6 +408,7 @@ class SimEngine:
         prompt: Prompt,
         response_id: str,
         fault: Fault,
+        adapter: str | None,
     ) -> dict[str, object] | None:
         """A prefill keeps its prompt blocks for the consumer and describes them.
 
@@ -414,7 +421,7 @@ class SimEngine:
         block_ids = seat.block_ids[: len(digests)]
         if fault.descriptor is None:
             block_ids = launch.scheduler.release(seat, keep=len(digests))
-            launch.holds.hold(response_id, block_ids, digests)
+            launch.holds.hold(response_id, block_ids, digests, adapter)
         return descriptor(
             block_ids=block_ids,
             engine_id=launch.engine_id,
@@ -501,6 +508,9 @@ class SimEngine:
             faults=ArmedFaults(options.faults),
             counters=counters,
             steps=StepLoop(options.step_costs),
+            loras=LoraRegistry(
+                options.model, options.lora_modules, check_paths=options.check_lora_paths
+            ),
         )
 
     # -- routes ----------------------------------------------------------------------------
@@ -515,7 +525,10 @@ class SimEngine:
             ("GET", "/version", self._version),
             ("GET", "/metrics", self._metrics),
             ("GET", "/sim/identity", self._identity),
+            ("GET", "/sim/handoffs", self._handoffs),
         ]
+        if self.options.runtime_lora_updating:
+            routes += lora_routes(lambda: self._launch.loras)
         if self.options.faults_enabled:
             routes += [
                 ("GET", "/sim/faults", self._get_faults),
@@ -536,14 +549,16 @@ class SimEngine:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        launch = self._launch
-        return _json(models(self.options, launch.engine_id, launch.start_time))
+        return _json(models(self.options, self._launch.loras))
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": self.options.version})
 
     async def _identity(self, request: web.Request) -> web.Response:
-        return _json(identity(self.options, self.engine_id))
+        return _json(identity(self.options, self.engine_id, self._launch.loras))
+
+    async def _handoffs(self, request: web.Request) -> web.Response:
+        return _json(handoff_report(self.handoffs))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         launch = self._launch

@@ -10,15 +10,76 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import orjson
 
 from narwhal.tools.sim.faults import Fault
-from narwhal.tools.sim.kv import PullError, pull_blocks, release_blocks, renew_lease_every
+from narwhal.tools.sim.kv import (
+    Pulled,
+    PullError,
+    block_digests,
+    pull_held,
+    release_blocks,
+    renew_lease_every,
+)
 from narwhal.tools.sim.timing import PullCosts, pull_seconds
 
 log = logging.getLogger("narwhal.sim.handoff")
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """One KV pull a consumer made: whose blocks, computed with what, used for what.
+
+    `producer_adapter`/`consumer_adapter` None is the base model alone; `producer_model`
+    None is a producer that did not say (an answer that never came). `ok` is False for a
+    pull that failed, on a mismatched base model or anything else.
+    """
+
+    request_id: str
+    remote_request_id: str | None
+    producer_engine_id: str | None
+    producer_model: str | None
+    producer_adapter: str | None
+    consumer_model: str
+    consumer_adapter: str | None
+    blocks: int
+    ok: bool
+
+    @property
+    def crossed_model(self) -> bool:
+        """The blocks came from another base model (NIXL refuses such a transfer)."""
+        return self.producer_model is not None and self.producer_model != self.consumer_model
+
+    @property
+    def crossed_adapter(self) -> bool:
+        """The blocks were computed with other weights over the same base model."""
+        return self.ok and self.producer_adapter != self.consumer_adapter
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "remote_request_id": self.remote_request_id,
+            "producer_engine_id": self.producer_engine_id,
+            "producer_model": self.producer_model,
+            "producer_adapter": self.producer_adapter,
+            "consumer_model": self.consumer_model,
+            "consumer_adapter": self.consumer_adapter,
+            "blocks": self.blocks,
+            "ok": self.ok,
+        }
+
+
+def handoff_report(handoffs: Iterable[Handoff]) -> dict[str, object]:
+    """`/sim/handoffs`: the pulls an engine made, and how many crossed models or adapters."""
+    kept = list(handoffs)
+    return {
+        "handoffs": [handoff.to_json() for handoff in kept],
+        "crossed_models": sum(handoff.crossed_model for handoff in kept),
+        "crossed_adapters": sum(handoff.crossed_adapter for handoff in kept),
+    }
 
 
 def descriptor(
@@ -92,36 +153,41 @@ async def renewing_lease(
 
 async def pull_prompt(
     params: Mapping[str, object],
-    digests: list[bytes],
+    tokens: Sequence[int],
     response_id: str,
     *,
     fault: Fault,
     costs: PullCosts,
     block_size: int,
-) -> None:
-    """Pull the prompt's blocks from the producer named by the descriptor and check them;
-    the wait is the pull's modelled cost (latency, blocks, bytes over the link)."""
+    model: str | None = None,
+) -> Pulled:
+    """Pull the prompt's blocks from the producer named by the descriptor into an engine
+    serving base `model`, and check they hold this prompt (computed with whatever adapter
+    the producer says); the wait is the pull's modelled cost (latency, blocks, bytes)."""
     host, port = params.get("remote_host"), params.get("remote_port")
     engine_id, block_ids = params.get("remote_engine_id"), _flat_block_ids(params)
     if not isinstance(host, str) or not isinstance(port, int) or not isinstance(engine_id, str):
         raise PullError("malformed descriptor: remote_host, remote_port, remote_engine_id")
     if block_ids is None:
         raise PullError("malformed descriptor: remote_block_ids")
-    if len(block_ids) != len(digests):
-        raise PullError(f"{len(block_ids)} blocks offered, the prompt has {len(digests)}")
+    prompt_blocks = -(-len(tokens) // block_size)
+    if len(block_ids) != prompt_blocks:
+        raise PullError(f"{len(block_ids)} blocks offered, the prompt has {prompt_blocks}")
     request_id = params.get("remote_request_id")
     await asyncio.sleep(fault.kv_pull_delay_s + pull_seconds(costs, len(block_ids), block_size))
     if fault.kv_pull_fail:
         raise PullError("simulated fault: KV pull failed")
-    pulled = await pull_blocks(
+    pulled = await pull_held(
         host,
         port,
         engine_id,
         request_id if isinstance(request_id, str) else response_id,
         block_ids,
+        model,
     )
-    if pulled != digests:
+    if pulled.digests != block_digests(tokens, block_size, pulled.adapter):
         raise PullError("pulled blocks do not match the prompt")
+    return pulled
 
 
 def _flat_block_ids(params: Mapping[str, object]) -> list[int] | None:

@@ -3,8 +3,10 @@
 A block's content is a digest chain over the prompt tokens, d_i = H(d_{i-1} || block i), so a
 consumer can verify that the blocks it pulled belong to the prompt it was given. The side
 channel is a TCP server speaking one line of JSON each way:
-``{"op": "pull", "engine_id", "request_id", "block_ids"}`` →
-``{"ok": true, "digests": [hex, ...]}`` or ``{"ok": false, "error": "..."}``, and
+``{"op": "pull", "engine_id", "request_id", "block_ids", "model"}`` →
+``{"ok": true, "digests": [hex, ...], "model", "adapter"}`` or ``{"ok": false, "error": "..."}``
+(with ``"model"`` when the consumer's base model is not the producer's: NIXL's compatibility
+check refuses such a pair, and the blocks stay held), and
 ``{"op": "renew", "engine_id", "request_id"}`` → ``{"ok": true}``: a consumer's heartbeat.
 
 Held blocks follow vLLM 0.32's NixlConnector lease (`kv_lease_duration`, 30 s by default):
@@ -41,10 +43,14 @@ class PullError(Exception):
     """A KV pull that failed: the consumer's failure policy decides what happens next."""
 
 
-def block_digests(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The digest chain of the prompt's blocks; the last block may be partial."""
+def block_digests(
+    tokens: Sequence[int], block_size: int, adapter: str | None = None
+) -> list[bytes]:
+    """The digest chain of the prompt's blocks; the last block may be partial. Blocks
+    computed under a LoRA adapter differ from the base model's (vLLM's block hashes
+    take the adapter in), so the prefix cache never mixes them."""
     digests: list[bytes] = []
-    previous = b""
+    previous = b"" if adapter is None else b"lora\0" + adapter.encode()
     for start in range(0, len(tokens), block_size):
         previous = blake2b(
             previous + token_bytes(tokens[start : start + block_size]), digest_size=16
@@ -93,6 +99,7 @@ class _Hold:
     digests: list[bytes]
     expiry: asyncio.TimerHandle
     expires_at: float
+    adapter: str | None
 
 
 class HeldBlocks:
@@ -116,12 +123,24 @@ class HeldBlocks:
     def block_count(self) -> int:
         return sum(len(hold.block_ids) for hold in self._holds.values())
 
-    def hold(self, request_id: str, block_ids: list[int], digests: list[bytes]) -> None:
+    def hold(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        digests: list[bytes],
+        adapter: str | None = None,
+    ) -> None:
+        """Keep blocks computed under `adapter` (None: the base model)."""
         self._end(request_id)
         loop = asyncio.get_running_loop()
         expires_at = loop.time() + self._lease_s
         expiry = loop.call_at(expires_at, self._expire, request_id)
-        self._holds[request_id] = _Hold(block_ids, digests, expiry, expires_at)
+        self._holds[request_id] = _Hold(block_ids, digests, expiry, expires_at, adapter)
+
+    def adapter_of(self, request_id: str) -> str | None:
+        """The adapter a held request's blocks were computed with (None: base or unknown)."""
+        hold = self._holds.get(request_id)
+        return None if hold is None else hold.adapter
 
     def renew(self, request_id: str) -> None:
         """A heartbeat: keep the blocks two thirds of a lease from now, if that is later."""
@@ -169,9 +188,16 @@ class HeldBlocks:
 class SideChannel:
     """The producer's side-channel listener, serving pulls of its held blocks."""
 
-    def __init__(self, engine_id: Callable[[], str], holds: Callable[[], HeldBlocks]) -> None:
+    def __init__(
+        self,
+        engine_id: Callable[[], str],
+        holds: Callable[[], HeldBlocks],
+        model: str | None = None,
+    ) -> None:
+        """`model`: the base model the blocks are computed with (None: not checked)."""
         self._engine_id = engine_id
         self._holds = holds
+        self._model = model
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -228,10 +254,48 @@ class SideChannel:
                 return {"ok": True}
             if not isinstance(request_id, str) or not isinstance(block_ids, list):
                 raise PullError("a pull needs a request_id string and a block_ids list")
+            wanted = message.get("model")
+            if self._model is not None and wanted is not None and wanted != self._model:
+                return {
+                    "ok": False,
+                    "error": _incompatible(wanted, self._model),
+                    "model": self._model,
+                }
+            adapter = self._holds().adapter_of(request_id)
             digests = self._holds().take(request_id, block_ids)
         except (PullError, orjson.JSONDecodeError) as exc:
             return {"ok": False, "error": str(exc)}
-        return {"ok": True, "digests": [digest.hex() for digest in digests]}
+        return {
+            "ok": True,
+            "digests": [digest.hex() for digest in digests],
+            "model": self._model,
+            "adapter": adapter,
+        }
+
+
+def _incompatible(consumer: object, producer: str) -> str:
+    return (
+        f"NIXL compatibility hash mismatch: the decode instance serves {consumer!r}, the "
+        f"prefill instance {producer!r}. Prefill and decode instances have incompatible "
+        "configurations."
+    )
+
+
+class IncompatibleKV(PullError):
+    """A producer whose blocks were computed with another base model: no transfer."""
+
+    def __init__(self, message: str, producer_model: str | None) -> None:
+        super().__init__(message)
+        self.producer_model = producer_model
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """Blocks a consumer pulled, and what the producer computed them with."""
+
+    digests: list[bytes]
+    model: str | None
+    adapter: str | None
 
 
 async def renew_lease_every(
@@ -255,24 +319,53 @@ async def pull_blocks(
     host: str, port: int, engine_id: str, request_id: str, block_ids: list[int]
 ) -> list[bytes]:
     """Pull held blocks from a producer's side channel; raises PullError on any failure."""
+    return (await pull_held(host, port, engine_id, request_id, block_ids)).digests
+
+
+async def pull_held(
+    host: str,
+    port: int,
+    engine_id: str,
+    request_id: str,
+    block_ids: list[int],
+    model: str | None = None,
+) -> Pulled:
+    """Pull held blocks into an engine serving base `model`; raises PullError on any
+    failure, IncompatibleKV when the producer serves another base model."""
     request = {
         "op": "pull",
         "engine_id": engine_id,
         "request_id": request_id,
         "block_ids": block_ids,
+        "model": model,
     }
-    answer = await _exchange(host, port, request)
+    answer = await _exchange(host, port, request, refusal_ok=True)
+    if answer.get("ok") is not True:
+        producer_model = answer.get("model")
+        error = f"producer refused the pull: {answer.get('error')}"
+        if isinstance(producer_model, str):
+            raise IncompatibleKV(error, producer_model)
+        raise PullError(error)
     digests = answer.get("digests")
     if not isinstance(digests, list):
         raise PullError("producer answered without block digests")
     try:
-        return [bytes.fromhex(digest) for digest in digests]
+        pulled = [bytes.fromhex(digest) for digest in digests]
     except (TypeError, ValueError) as exc:
         raise PullError("producer answered without valid block digests") from exc
+    producer_model, adapter = answer.get("model"), answer.get("adapter")
+    return Pulled(
+        pulled,
+        producer_model if isinstance(producer_model, str) else None,
+        adapter if isinstance(adapter, str) else None,
+    )
 
 
-async def _exchange(host: str, port: int, request: Mapping[str, object]) -> dict[str, object]:
-    """One line each way with a producer's side channel; raises PullError unless it is ok."""
+async def _exchange(
+    host: str, port: int, request: Mapping[str, object], *, refusal_ok: bool = False
+) -> dict[str, object]:
+    """One line each way with a producer's side channel; raises PullError unless it is ok
+    (or, with `refusal_ok`, unless it is a JSON object)."""
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(PULL_TIMEOUT_S):
@@ -286,6 +379,8 @@ async def _exchange(host: str, port: int, request: Mapping[str, object]) -> dict
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+    if isinstance(answer, dict) and refusal_ok:
+        return answer
     if not isinstance(answer, dict) or answer.get("ok") is not True:
         error = answer.get("error") if isinstance(answer, dict) else answer
         raise PullError(f"producer refused the pull: {error}")

@@ -27,6 +27,9 @@ class Counters:
     # request's prompt tokens queried, and those its local cache held.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # KV pulls whose blocks were computed with another adapter than the request's (the
+    # sim's own count; vLLM does not see it, see `/sim/handoffs`).
+    crossed_adapter_pulls: int = 0
 
     def expired(self) -> None:
         self.nixl_expired_requests += 1

@@ -127,10 +127,16 @@ class Generation:
         stop: Sequence[str] = (),
         eos_probability: float = 0.0,
         empty_probability: float = 0.0,
+        weights: str | None = None,
     ) -> None:
-        # A running hash of the sampling settings and every token so far: token i depends
-        # on the sequence before it and nothing else.
+        """`weights` names what the text is generated with beyond the base model (a LoRA
+        adapter's name, say): each gives its own text for the same prompt; None is the
+        base model alone."""
+        # A running hash of the weights, the sampling settings and every token so far:
+        # token i depends on the sequence before it and nothing else.
         context = blake2b(digest_size=16)
+        if weights is not None:
+            context.update(b"weights\0" + weights.encode() + b"\0")
         if sampling.temperature > 0:
             context.update(struct.pack("<qd", sampling.seed, sampling.temperature))
         context.update(token_bytes(prompt_tokens))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from narwhal.tools.sim.faults import Fault, FaultError
+from narwhal.tools.sim.lora import parse_lora_module
 from narwhal.tools.sim.profiles import PROFILE_FIELDS, PROFILES, profile
 from narwhal.tools.sim.timing import PullCosts, StepCosts
 
@@ -65,6 +66,12 @@ class SimOptions:
     enable_prompt_tokens_details: bool = False  # usage reports cached prompt tokens
     faults_enabled: bool = False
     faults: tuple[Fault, ...] = ()
+    # LoRA adapters served over `model` from the start, (name, path) pairs.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    runtime_lora_updating: bool = False
+    # Load only adapter paths that exist here; a missing one fails as in vLLM (a 404).
+    check_lora_paths: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -115,6 +122,13 @@ class SimOptions:
             "must be 'fail' or 'recompute'",
         )
         _require(self, "faults", self.faults_enabled or not self.faults, "need faults_enabled")
+        names = [name for name, _ in self.lora_modules]
+        _require(
+            self,
+            "lora_modules",
+            len(set(names)) == len(names) and self.model not in names,
+            "adapter names must be unique and not the model's",
+        )
 
     @property
     def kv_block_size(self) -> int:
@@ -161,6 +175,13 @@ def _fault(text: str) -> Fault:
     try:
         return Fault.parse(text)
     except FaultError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
@@ -217,6 +238,26 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="usage reports prompt_tokens_details.cached_tokens",
     )
     add("--enable-faults", dest="faults_enabled", action="store_true", help="serve /sim/faults")
+    add(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served over --model (vLLM's syntax); repeatable",
+    )
+    add(
+        "--runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+    )
+    add(
+        "--check-lora-paths",
+        action="store_true",
+        help="load only adapter paths that exist on this machine (a missing one: vLLM's 404)",
+    )
     add(
         "--fault",
         dest="faults",
@@ -285,5 +326,6 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         if values[name] is None:
             values[name] = preset.get(name, getattr(_DEFAULTS, name))
     values["faults"] = tuple(args.faults)
+    values["lora_modules"] = tuple(args.lora_modules)
     values["faults_enabled"] = args.faults_enabled or bool(args.faults)
     return SimOptions(**values)

@@ -10,6 +10,7 @@ import sys
 
 from narwhal.runtime import main as runtime
 from narwhal.tools.sim.engine import SimEngine
+from narwhal.tools.sim.lora import LoraRegistry
 from narwhal.tools.sim.options import SimOptions, options_from_args
 
 CRASH_EXIT_CODE = 70
@@ -20,6 +21,8 @@ def run_sim(args: argparse.Namespace) -> int:
     """Serve one simulated engine from parsed flags; returns the process exit status."""
     try:
         options = options_from_args(args)
+        # A start-up adapter that does not load stops the engine, as it stops vLLM.
+        LoraRegistry(options.model, options.lora_modules, check_paths=options.check_lora_paths)
     except ValueError as exc:
         print(f"narwhal sim: {exc}", file=sys.stderr)
         return 2
