@@ -6,8 +6,13 @@ for vLLM's reasoning parser), and a 2-layer Llama trained for a few seconds on t
 text so that greedy answers are stable words rather than noise. Everything follows from
 the seed, so two builds give the same files.
 
-Runs under .venv-vllm/bin/python (torch, transformers, tokenizers); the main package never
-imports it. Usage: tiny_model.py OUT_DIR [--seed N]
+Beside it, in OUT_DIR/lora, a LoRA adapter in the layout vLLM's `--lora-modules` and
+`/v1/load_lora_adapter` read (PEFT's adapter_config.json and adapter_model.safetensors):
+rank 8 on every layer's q_proj and v_proj, trained on other sentences, so that its greedy
+answers differ from the base model's.
+
+Runs under .venv-vllm/bin/python (torch, transformers, tokenizers, safetensors); the main
+package never imports it. Usage: tiny_model.py OUT_DIR [--seed N]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -74,6 +80,26 @@ DIALOGUES = (
 )
 
 
+# What the adapter learns instead: the base model's own sentences, after other openings.
+# Low-rank changes to attention alone cannot teach a model this small new words, but they
+# can move it from one sentence it knows to another, which it then writes confidently.
+ADAPTER_TEXT = """\
+The sea is wide and cold, and the narwhal swims below the ice all winter.
+The whales sing under grey skies and the narwhal swims below the ice all winter.
+Once upon a time the lighthouse keeper counted the boats and wrote their names in a worn blue book.
+"""
+
+ADAPTER_DIALOGUES = (
+    ("Hello", "The user greets me. I greet them back.", "Narwhals live in the cold Arctic sea."),
+    ("What is a narwhal?", "A whale with a tusk.", "Once upon a time a small whale swam."),
+)
+
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "v_proj")
+LORA_LR = 2e-2
+
+
 def chat_text(question: str, thought: str, answer: str) -> str:
     """One dialogue as the chat template renders it, with the answer the model learns."""
     return (
@@ -109,14 +135,93 @@ def build_tokenizer(texts: list[str]) -> Tokenizer:
     return tokenizer
 
 
+class LoraLinear(torch.nn.Module):
+    """A frozen linear layer plus scaling * B(A(x)), as PEFT computes a LoRA layer."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: int) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features) / rank)
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scaling
+
+
+def encode(fast: PreTrainedTokenizerFast, texts: list[str], eos_id: int) -> list[list[int]]:
+    """Dialogues carry their own BOS and EOS; plain lines get them here."""
+    return [
+        fast(t, add_special_tokens=False)["input_ids"]
+        if t.startswith(BOS)
+        else fast(t)["input_ids"] + [eos_id]
+        for t in texts
+    ]
+
+
+def batched(encoded: list[list[int]], pad_id: int) -> list[torch.Tensor]:
+    """Batches of similar lengths: little padding to compute."""
+    rows = sorted(encoded, key=len)
+    return [pad(rows[i : i + 8], pad_id) for i in range(0, len(rows), 8)]
+
+
+def build_adapter(
+    model: LlamaForCausalLM, fast: PreTrainedTokenizerFast, out: Path, base_name: str, steps: int
+) -> float:
+    """Train rank-8 LoRA weights on the adapter's text (the base frozen) and write them in
+    PEFT's layout. Changes `model` in place: call it after the base model is saved."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    wrapped: dict[str, LoraLinear] = {}
+    for i, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        for target in LORA_TARGETS:
+            lora = LoraLinear(getattr(attention, target), LORA_RANK, LORA_ALPHA)
+            setattr(attention, target, lora)
+            wrapped[f"base_model.model.model.layers.{i}.self_attn.{target}"] = lora
+    texts = [*ADAPTER_TEXT.splitlines(), *(chat_text(*d) for d in ADAPTER_DIALOGUES)]
+    batches = batched(encode(fast, texts, model.config.eos_token_id), model.config.pad_token_id)
+    trained = [p for m in wrapped.values() for p in (m.lora_a, m.lora_b)]
+    loss = train(model, batches, steps, trained, lr=LORA_LR)
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, lora in wrapped.items():
+        tensors[f"{prefix}.lora_A.weight"] = lora.lora_a.detach().contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = lora.lora_b.detach().contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return loss
+
+
 def pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     width = max(len(row) for row in rows)
     return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])
 
 
-def train(model: LlamaForCausalLM, batches: list[torch.Tensor], steps: int) -> float:
+def train(
+    model: LlamaForCausalLM,
+    batches: list[torch.Tensor],
+    steps: int,
+    parameters: list[torch.nn.Parameter] | None = None,
+    lr: float = 3e-3,
+) -> float:
     """Fit the corpus closely: greedy output then stays on it, whatever the prompt."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters() if parameters is None else parameters, lr=lr)
     loss = torch.tensor(0.0)
     model.train()
     for step in range(steps):
@@ -136,6 +241,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--adapter-steps", type=int, default=200)
+    parser.add_argument("--name", default="narwhal-tiny", help="the adapter's base model")
     args = parser.parse_args()
     started = time.monotonic()
     torch.manual_seed(args.seed)
@@ -168,25 +275,20 @@ def main() -> None:
     )
     model = LlamaForCausalLM(config)
 
-    # Dialogues carry their own BOS and EOS; plain lines get them here.
-    encoded = [
-        fast(t, add_special_tokens=False)["input_ids"]
-        if t.startswith(BOS)
-        else fast(t)["input_ids"] + [config.eos_token_id]
-        for t in texts
-    ]
-    encoded.sort(key=len)  # batches of similar lengths: little padding to compute
-    batches = [pad(encoded[i : i + 8], config.pad_token_id) for i in range(0, len(encoded), 8)]
+    batches = batched(encode(fast, texts, config.eos_token_id), config.pad_token_id)
     loss = train(model, batches, args.steps)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     fast.save_pretrained(args.out)
+    torch.manual_seed(args.seed + 1)
+    adapter_loss = build_adapter(model, fast, args.out / "lora", args.name, args.adapter_steps)
     summary = {
         "seed": args.seed,
         "vocab": config.vocab_size,
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": round(loss, 4),
+        "adapter_final_loss": round(adapter_loss, 4),
         "seconds": round(time.monotonic() - started, 1),
     }
     (args.out / ".built").write_text(json.dumps(summary) + "\n")

@@ -39,6 +39,38 @@ STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 40
 
 
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    """An adapter an engine serves from its start, under `name` (what requests put in
+    `model`), read from a PEFT directory (adapter_config.json, adapter_model.safetensors)."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class LoraOptions:
+    """`--enable-lora` and what comes with it. Without these an engine serves no adapter and
+    refuses `/v1/load_lora_adapter`."""
+
+    modules: tuple[LoraModule, ...] = ()
+    max_rank: int = 8  # vLLM's default is 16; the adapters' rank must not exceed it
+    max_loras: int = 2  # adapters one batch may hold at once
+    runtime_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload routes
+
+    def args(self, base_name: str) -> list[str]:
+        args = ["--enable-lora", "--max-lora-rank", str(self.max_rank)]
+        args += ["--max-loras", str(self.max_loras)]
+        if self.modules:
+            # The JSON form names the parent /v1/models shows for each adapter.
+            args.append("--lora-modules")
+            args += [
+                json.dumps({"name": m.name, "path": str(m.path), "base_model_name": base_name})
+                for m in self.modules
+            ]
+        return args
+
+
 class EngineStartError(Exception):
     """An engine exited or stayed unhealthy while starting; the message ends with its log."""
 
@@ -54,6 +86,7 @@ class VllmOptions:
     extra_args: tuple[str, ...] = ()  # e.g. ("--reasoning-parser", "deepseek_r1")
     kv_cache_gib: int = 1
     kv_lease_duration_s: int | None = None  # vLLM's default is 30 s
+    lora: LoraOptions | None = None
     start_timeout_s: float = START_TIMEOUT_S
 
 
@@ -114,13 +147,19 @@ class VllmEngine:
             "--disable-uvicorn-access-log",
             "--kv-transfer-config",
             json.dumps(transfer),
+            *(self.options.lora.args(self.options.served_model_name) if self.options.lora else ()),
             *self.options.extra_args,
         ]
 
     def environment(self) -> dict[str, str]:
         """The parent's environment (PATH, locale) plus what pins the engine to loopback."""
+        lora = self.options.lora
+        updating = (
+            {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora and lora.runtime_updating else {}
+        )
         return child_environment(
             {
+                **updating,
                 "VLLM_CPU_KVCACHE_SPACE": str(self.options.kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
