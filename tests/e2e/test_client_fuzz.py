@@ -154,11 +154,14 @@ async def post_raw(stack: Stack, route: str, raw: bytes) -> tuple[int, Any]:
 
 
 def check_answer(status: int, answer: Any) -> None:
-    """A 200, or a 4xx carrying an OpenAI error object whose code is that status."""
+    """A 200, or a 4xx carrying an OpenAI error object whose code is that status (or
+    `model_not_found`, for a 404)."""
     assert status == 200 or 400 <= status < 500, (status, answer)
     if status != 200:
         error = answer["error"]
-        assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+        # OpenAI names the code of an unknown model; every other error carries its status.
+        code = "model_not_found" if status == 404 else status
+        assert error["code"] == code and isinstance(error["message"], str) and error["message"]
 
 
 def check_engines(stack: Stack, route: str) -> int:

@@ -94,7 +94,8 @@ async def test_unknown_model_is_404(make_stack: StackFactory) -> None:
         status, body = await stack.post("/v1/completions", {**COMPLETION, "model": "gpt-x"})
         assert status == 404
         assert "`gpt-x` does not exist" in body["error"]["message"]
-        assert body["error"]["code"] == 404
+        assert body["error"]["code"] == "model_not_found"
+        assert body["error"]["param"] == "model"
 
 
 async def test_n_above_one_is_400_before_any_engine_is_asked(make_stack: StackFactory) -> None:

@@ -44,9 +44,13 @@ def test_an_absent_model_means_the_served_one() -> None:
     assert parse({"prompt": "x"}).body["model"] == MODEL
 
 
-def test_another_model_is_404_naming_both() -> None:
-    error = rejected({"model": "other", "prompt": "x"})
-    assert error.status == 404 and "`other`" in error.message and "`m`" in error.message
+def test_a_named_model_is_kept_for_placement_to_resolve() -> None:
+    assert parse({"model": "other", "prompt": "x"}).body["model"] == "other"
+
+
+def test_a_model_that_is_not_a_string_is_400() -> None:
+    error = rejected({"model": 7, "prompt": "x"})
+    assert error.status == 400 and "`model` must be a string" in error.message
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,11 @@ from narwhal.control.loop import ControlLoop
 from narwhal.control.phase_latency import PhaseLatency
 from narwhal.engines.client import EngineClient
 from narwhal.engines.kv_events import KvEventFeeds
+from narwhal.fleet.adapters import Adapters
 from narwhal.fleet.breaker import Breaker
 from narwhal.fleet.discovery import FleetDiscovery
 from narwhal.fleet.engine_reports import EngineReports
+from narwhal.fleet.models import Catalog
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.readmission import Readmission
 from narwhal.fleet.seat_share import SeatShare
@@ -89,6 +91,8 @@ class Router:
             queue_timeout_s=config.serving.queue_timeout_s,
             share=seat_share or SeatShare(replicas=config.server.replicas),
             placement=config.placement,
+            catalog=Catalog.from_config(config),
+            lora=config.lora,
         )
         # The engines' own KV cache events keep placement's prefix index right.
         self.kv_events = KvEventFeeds(config.placement.kv_events, self.fleet.placer.cache_changed)
@@ -101,6 +105,12 @@ class Router:
             headers=(secrets or Secrets()).engine_headers(),
             ca_bundle=timeouts.ca_bundle,
         )
+        # LoRA adapters loaded where placement wants them, with `[lora] load_on_demand`.
+        self.adapters = Adapters(
+            self.fleet, lambda: self.client.session, self.client.headers, config.lora
+        )
+        if config.lora.load_on_demand:
+            self.fleet.prepare = self.adapters.prepare
         self.budget = RetryBudget(config.serving.retry_budget, config.serving.retry_replenish)
         self.continuation_budget = RetryBudget(
             config.continuation.budget, config.continuation.replenish

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
+from narwhal.config.models import model_name
 from narwhal.config.table import Table, show
 
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -91,6 +92,8 @@ class EngineSpec:
     start_as: Role | None = None
     # The role controller never moves a pinned engine.
     pin: bool = False
+    # The base model it serves; None: learnt from its `/v1/models` (else the default model).
+    model: str | None = None
 
     @property
     def starting_role(self) -> Role:
@@ -144,6 +147,7 @@ def read_engine_spec(table: Table) -> EngineSpec:
         kv_hosts=table.strings("kv_hosts", pattern=_HOST),
         start_as=_start_as(table),
         pin=_pin(table),
+        model=model_name(table, "model", required=False),
     )
     if spec.start_as is not None and spec.role is not Role.BOTH and not table.failed():
         table.fail(

@@ -31,6 +31,15 @@ from narwhal.config.engine_spec import (
     read_engine_spec,
     url_address,
 )
+from narwhal.config.models import (
+    LegTimeouts,
+    LoraConfig,
+    ModelConfig,
+    check_names,
+    model_name,
+    parse_lora,
+    parse_model,
+)
 from narwhal.config.placement import PlacementConfig, parse_placement
 from narwhal.config.table import MISSING, Problems, Table, show, withheld
 from narwhal.config.tracing import TracingConfig, parse_tracing
@@ -144,6 +153,7 @@ _HANDOFF_MARGIN: Final = 1 / 6
 class Config:
     """The whole validated configuration; build it with `load_config` or `parse_config`."""
 
+    # The default model: what a request without `model` gets, and a one-model fleet's only.
     model: str
     engines: tuple[EngineSpec, ...]
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -158,6 +168,8 @@ class Config:
     continuation: ContinuationConfig = field(default_factory=ContinuationConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    models: tuple[ModelConfig, ...] = ()
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -165,6 +177,33 @@ class Config:
     def handoff_bound_s(self) -> float:
         """The oldest a handoff may be when its decode is sent: the KV lease less a sixth."""
         return self.engine.kv_lease_s * (1 - _HANDOFF_MARGIN)
+
+    def model_config(self, name: str) -> ModelConfig | None:
+        """The `[[models]]` entry of a base model, if it has one."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+    def slo_for(self, model: str) -> SloConfig:
+        """The model's own `[slo]`, else the router's."""
+        entry = self.model_config(model)
+        return entry.slo if entry is not None and entry.slo is not None else self.slo
+
+    def leg_timeouts(self, model: str | None = None) -> LegTimeouts:
+        """How long a request's legs may take for `model`: its `[[models]]` overrides over
+        `[engine]`."""
+        engine = self.engine
+        base = LegTimeouts(
+            first_token_timeout_s=engine.first_token_timeout_s,
+            decode_read_timeout_s=engine.decode_read_timeout_s,
+            prefill_timeout_s=engine.prefill_timeout_s,
+            whole_answer_timeout_s=engine.whole_answer_timeout_s,
+        )
+        entry = self.model_config(model) if model is not None else None
+        if entry is None or not entry.engine:
+            return base
+        return replace(base, **entry.engine)
 
     def engine_spec(self, engine_id: str) -> EngineSpec:
         """The engine with this id; KeyError if there is none."""
@@ -239,7 +278,7 @@ def _build(raw: object, source: str) -> Config:
     if not isinstance(raw, Mapping):
         raise ConfigError([f"the top level must be a table of keys, got {show(raw)}"], source)
     top = Table(problems, "", raw)
-    model = top.string("model", None)
+    named_model = model_name(top, "model", required=not _names_models(raw))
     server = _server(top.table("server"))
     engine = _engine(top.table("engine"))
     serving = _serving(top.table("serving"))
@@ -253,6 +292,11 @@ def _build(raw: object, source: str) -> Config:
     contract = parse_contract(contract_table) if contract_table else None
     discovery = parse_discovery(top.table("discovery"))
     placement = parse_placement(top.table("placement"))
+    models = tuple(
+        parse_model(Table(problems, f"models[{index}]", entry), slo)
+        for index, entry in enumerate(top.items("models", required=False) or ())
+    )
+    lora = parse_lora(top.table("lora"))
     # With discovery on, `[[engines]]` may be absent: the pods are the fleet.
     entries = top.items("engines", required=not discovery.enabled)
     engines: dict[str, EngineSpec] = {}
@@ -261,6 +305,9 @@ def _build(raw: object, source: str) -> Config:
         if isinstance(entry, Mapping):
             engines[table.where] = read_engine_spec(table)
     top.close()
+    engine_models = {path: spec.model for path, spec in engines.items() if spec.model}
+    model = _default_model(named_model, models, engine_models.values(), problems)
+    check_names(named_model, models, lora, engine_models, problems)
     config = Config(
         model,
         tuple(engines.values()),
@@ -276,8 +323,11 @@ def _build(raw: object, source: str) -> Config:
         continuation,
         discovery,
         placement,
+        models,
+        lora,
     )
     config = _derive_defaults(config, raw)
+    _check_model_timeouts(config, problems)
     _check_timeouts(config, problems)
     if entries is not None:
         complete = len(engines) == len(entries)
@@ -286,7 +336,15 @@ def _build(raw: object, source: str) -> Config:
         for name in placement.kv_events:
             if complete and not discovery.enabled and name not in ids:
                 problems.add(f"placement.kv_events.{name}", "names no engine in [[engines]]")
-    if (
+    served = {model, *(m.name for m in models), *engine_models.values()}
+    if contract and contract.model is not None and len(served) > 1:
+        problems.add(
+            "engine_contract.model",
+            "pins one model for every engine, but this fleet names several ("
+            + ", ".join(sorted(served))
+            + "): leave it out, each engine's model is checked on its own",
+        )
+    elif (
         contract
         and contract.model is not None
         and contract.model != model
@@ -299,6 +357,44 @@ def _build(raw: object, source: str) -> Config:
     if problems.messages:
         raise ConfigError(problems.messages, source)
     return config
+
+
+def _default_model(
+    named: str | None,
+    models: tuple[ModelConfig, ...],
+    engine_models: Iterable[str],
+    problems: Problems,
+) -> str:
+    """The top-level `model`, else the first model `[[models]]` or an engine names."""
+    if named:
+        return named
+    for name in (*(m.name for m in models), *engine_models):
+        if name:
+            return name
+    return ""
+
+
+def _names_models(raw: Mapping[object, object]) -> bool:
+    """Whether `[[models]]` or an engine entry names a model, so the top-level `model` may
+    be left out."""
+    listed = raw.get("models")
+    engines = raw.get("engines")
+    return bool(listed) or (
+        isinstance(engines, list)
+        and any(isinstance(entry, Mapping) and "model" in entry for entry in engines)
+    )
+
+
+def _check_model_timeouts(config: Config, problems: Problems) -> None:
+    """A model's own leg bounds fit the request deadline, as `[engine]`'s must."""
+    bound = config.serving.request_timeout_s
+    for index, model in enumerate(config.models):
+        for key, value in model.engine.items():
+            path = f"models[{index}].engine.{key}"
+            if value > bound and not problems.failed(path, "serving.request_timeout_s"):
+                problems.add(
+                    path, f"must not exceed serving.request_timeout_s ({bound:g}), got {value:g}"
+                )
 
 
 def _server(table: Table) -> ServerConfig:

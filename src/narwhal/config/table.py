@@ -59,6 +59,10 @@ class Table:
             problems.add(path, f"must be a table, got {show(raw)}")
 
     @property
+    def problems(self) -> Problems:
+        return self._problems
+
+    @property
     def where(self) -> str:
         """This table's own key path."""
         return self._path

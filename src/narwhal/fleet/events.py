@@ -13,7 +13,9 @@ class EngineEvent:
     # Its lifecycle's (see `lifecycle`): "added", "quarantined", "spared", "ejected",
     # "readmitted", "draining", "drained", "removed"; readmission's "probe"; an
     # operator's "changed"; the role controller's "role_change" and "role_advice";
-    # "silent_recompute" (see `engine_reports`).
+    # "silent_recompute" (see `engine_reports`); "model" when what an engine serves
+    # changed (`engine_models`); "adapter_loaded", "adapter_load_failed" and
+    # "adapter_unloaded" (`adapters`).
     kind: str
     engine: str
     detail: str = ""

@@ -106,11 +106,17 @@ class Placer:
         self._block_size: dict[str, int] = {}
         self._evicted_chars: dict[str, float] = {}
 
-    def key(self, body: Mapping[str, object]) -> PromptKey | None:
-        """The request's key, or None under `p2c` (which never reads the prompt)."""
+    def key(self, body: Mapping[str, object], scope: str | None = None) -> PromptKey | None:
+        """The request's key, or None under `p2c` (which never reads the prompt).
+
+        `scope`: the LoRA adapter it runs with; an adapter's KV differs from the base
+        weights' for the same text, so its chunks are keyed apart.
+        """
         if self.policy is Policy.P2C:
             return None
         text = prompt_text(body)
+        if text and scope is not None:
+            text = f"{scope}\x1d{text}"
         keys = chunk_keys(text, self.config.chunk_chars) if text else ()
         user = body.get("user")
         return PromptKey(body, keys, user if isinstance(user, str) and user else None)

@@ -28,167 +28,25 @@ import asyncio
 import math
 import random
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import InitVar, dataclass, field
-from enum import StrEnum
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
-from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.config.engine_spec import EngineSpec
+from narwhal.config.models import LoraConfig
 from narwhal.config.placement import PlacementConfig
-from narwhal.engines.scrape import EngineReport
+from narwhal.fleet.engine import Engine as Engine
+from narwhal.fleet.engine import Phase as Phase
 from narwhal.fleet.events import EngineEvent as EngineEvent
 from narwhal.fleet.events import EventListener as EventListener
 from narwhal.fleet.lifecycle import EngineState as EngineState
-from narwhal.fleet.lifecycle import Event, Lifecycle
+from narwhal.fleet.lifecycle import Event
+from narwhal.fleet.models import Catalog, Target
 from narwhal.fleet.placement import Placer, PromptKey
 from narwhal.fleet.seat_share import WHOLE, SeatShare
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.runtime.clock import clock
 
 NOT_YET_PROBED = "added at runtime: waiting for its first probe"
-
-
-class Phase(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(eq=False, slots=True)
-class Engine:
-    """One engine as the router sees it: its spec, its seats in use and its standing (its
-    `lifecycle`, which alone changes it)."""
-
-    spec: EngineSpec
-    prefill_seats: int = 0
-    decode_seats: int = 0
-    # Queue depth the engine itself reports (`vllm:num_requests_waiting`), when polled.
-    reported_waiting: float = 0.0
-    # Requests on it that other routers (or workers) sent, by its last report.
-    others: float = 0.0
-    # This process's part of its seat limits (see `seat_share`).
-    share: SeatShare = WHOLE
-    # The engine's last `/metrics` reading, and its prompt tokens by source since the first
-    # (see `engine_reports`); the crossed decodes the router sent it, to compare.
-    report: EngineReport | None = None
-    prompt_tokens: dict[str, float] = field(default_factory=dict)
-    crossed_decodes: int = 0
-    silent_recomputes: int = 0
-    # Leg failures by cause (`Cause` values), since start.
-    failures: dict[str, int] = field(default_factory=dict)
-    # Breaker: consecutive stream failures, and why the engine was last ejected.
-    streak: int = 0
-    ejection_reason: str | None = None
-    # After a crossed decode failure: the producer whose handoff the probe should reuse.
-    probe_producer: str | None = None
-    ejections: int = 0
-    quarantines: int = 0
-    # Its last connection attempt was refused (or broke); cleared by any answer.
-    refusing: bool = False
-    # Readmission found it breaks the pinned contract: never placed on, even in panic.
-    mismatched: bool = False
-    # The breaker would have ejected it but for `max_ejected_fraction` (this streak; times).
-    spared: bool = False
-    spares: int = 0
-    # Requests placed on it while it was not admitted (panic placement).
-    panics: int = 0
-    # Readmission probes by result: "success", "failure", "inconclusive".
-    probes: dict[str, int] = field(default_factory=dict)
-    # Delete it once drained (a reload dropped it from the config file).
-    remove_when_drained: bool = False
-    # The role controller never moves it: its role is the operator's to choose.
-    pinned: bool = False
-    # For an engine of role `both`: the one phase it serves now (its `start_as`, or where
-    # the role controller moved it); None serves both.
-    acting: Role | None = None
-    # Event-loop time of its last role change by the controller; None: since start.
-    role_since: float | None = None
-    # Where it came from: None for the config file and the admin API, "kubernetes" for
-    # discovery. Placement never reads it; reloads and discovery each keep to their own.
-    source: str | None = None
-    # Added at runtime: its lifecycle starts `new` (see `Fleet.add`).
-    new: InitVar[bool] = False
-    lifecycle: Lifecycle = field(init=False)
-
-    def __post_init__(self, new: bool) -> None:
-        self.lifecycle = Lifecycle(self.spec.id, new=new)
-
-    @property
-    def ejected(self) -> bool:
-        return self.lifecycle.ejected
-
-    @property
-    def held(self) -> bool:
-        return self.lifecycle.held
-
-    @property
-    def draining(self) -> bool:
-        """An operator (or a source) drained it; cleared only by an undrain."""
-        return self.lifecycle.draining
-
-    @property
-    def quarantined_until(self) -> float:
-        return self.lifecycle.quarantined_until
-
-    @property
-    def role(self) -> Role:
-        """The role placement uses: the phase it acts in, within what its spec allows."""
-        return (
-            self.acting
-            if self.acting is not None and self.spec.role is Role.BOTH
-            else self.spec.role
-        )
-
-    @property
-    def id(self) -> str:
-        return self.spec.id
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    def state(self, now: float) -> EngineState:
-        return self.lifecycle.state(now, self.busy())
-
-    def serves(self, phase: Phase) -> bool:
-        role = self.role
-        return role.can_prefill if phase is Phase.PREFILL else role.can_decode
-
-    def busy(self) -> bool:
-        """Whether any request holds one of its seats."""
-        return bool(self.prefill_seats or self.decode_seats)
-
-    def seat_limit(self, phase: Phase) -> int | None:
-        """This process's seats of the phase (its share of the engine's limit); None:
-        unlimited."""
-        limit = (
-            self.spec.max_prefill_seats if phase is Phase.PREFILL else self.spec.max_decode_seats
-        )
-        return self.share.of(limit)
-
-    def has_seat(self, phase: Phase) -> bool:
-        used = self.prefill_seats if phase is Phase.PREFILL else self.decode_seats
-        limit = self.seat_limit(phase)
-        return limit is None or used < limit
-
-    def load(self) -> float:
-        """Fraction of this process's seats in use (a raw count where unlimited), plus the
-        requests others have on the engine as a fraction of its whole capacity."""
-        capacity = sum(
-            limit
-            for phase, limit in (
-                (Phase.PREFILL, self.spec.max_prefill_seats),
-                (Phase.DECODE, self.spec.max_decode_seats),
-            )
-            if self.serves(phase)
-        )
-        return (
-            _fraction(self.prefill_seats, self.seat_limit(Phase.PREFILL) or 0)
-            + _fraction(self.decode_seats, self.seat_limit(Phase.DECODE) or 0)
-            + _fraction(self.others, capacity)
-        )
-
-
-def _fraction(used: float, limit: int) -> float:
-    return used / limit if limit else float(used)
 
 
 @dataclass(eq=False, slots=True)
@@ -212,6 +70,10 @@ class Reservation:
     panic: bool = False
     # The prompt's prefix placement expects the producer to hold (`fleet.placement`).
     prefix_matched: int = 0
+    # The pool and adapter it was placed for; the engines that must load the adapter
+    # before its legs are sent (`Fleet.prepare` loads them).
+    target: Target | None = None
+    loads: tuple[Engine, ...] = ()
 
     @property
     def crossed(self) -> bool:
@@ -221,12 +83,16 @@ class Reservation:
         if self.prefill_held:
             self.prefill_held = False
             self.producer.prefill_seats -= 1
+            if self.target is not None and self.target.adapter is not None:
+                self.producer.use_adapter(self.target.adapter, -1)
             self.fleet.seat_freed()
 
     def release_decode(self) -> None:
         if self.decode_held:
             self.decode_held = False
             self.consumer.decode_seats -= 1
+            if self.target is not None and self.target.adapter is not None:
+                self.consumer.use_adapter(self.target.adapter, -1)
             self.fleet.seat_freed()
 
     def release(self) -> None:
@@ -244,7 +110,13 @@ class Reservation:
 class _Waiter:
     avoid: frozenset[str]
     key: PromptKey | None
+    target: Target | None
     future: asyncio.Future[Reservation]
+
+
+# Loads a reservation's adapters on its engines (`fleet.adapters`); False when one failed
+# (that engine is then passed over for that adapter, and placement is tried again).
+Prepare = Callable[[Reservation], Awaitable[bool]]
 
 
 class Fleet:
@@ -259,15 +131,24 @@ class Fleet:
         rng: random.Random | None = None,
         share: SeatShare = WHOLE,
         placement: PlacementConfig | None = None,
+        catalog: Catalog | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """`share`: this process's part of every engine's seat limits; `placement`: how
-        an engine is chosen among those with a seat (`fleet.placement`)."""
+        an engine is chosen among those with a seat (`fleet.placement`); `catalog`: the
+        names clients use for the pools (one pool, of the default model, without it);
+        `lora`: whether and how adapters are loaded on demand."""
         self.share = share
-        self.engines = [_engine(spec, share) for spec in specs]
+        self.catalog = catalog or Catalog.single("")
+        self.lora = lora or LoraConfig()
+        self.engines = [self._engine(spec) for spec in specs]
         self.by_id = {engine.id: engine for engine in self.engines}
+        self.catalog.learn(self.engines)
         self.queue_capacity = queue_capacity
         self.queue_timeout_s = queue_timeout_s
-        self._queue: deque[_Waiter] = deque()
+        # One FIFO per pool and adapter: a head that waits blocks only its own pool.
+        self._queues: dict[Target | None, deque[_Waiter]] = {}
+        self.prepare: Prepare | None = None
         self._rng = rng or random.Random()
         self.placer = Placer(placement or PlacementConfig(), self._rng)
         self._waking = False
@@ -281,21 +162,70 @@ class Fleet:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return sum(len(queue) for queue in self._queues.values())
 
-    def admitted(self, phase: Phase, now: float | None = None) -> list[Engine]:
+    def queued_for(self, model: str) -> int:
+        """Requests of one pool waiting for a seat."""
+        return sum(
+            len(queue)
+            for target, queue in self._queues.items()
+            if target is None or target.base == model
+        )
+
+    def models(self) -> list[str]:
+        """The pools: every base model an engine serves, in the engines' order."""
+        return list(dict.fromkeys(e.model for e in self.engines))
+
+    def pool(self, model: str) -> list[Engine]:
+        """The engines of one base model."""
+        return [e for e in self.engines if e.model == model]
+
+    def peers(self, engine: Engine) -> list[Engine]:
+        """The engines of its pool (itself included): all of them in a one-model fleet."""
+        return self.pool(engine.model) if self.catalog.several else self.engines
+
+    def models_changed(self) -> None:
+        """An engine's model or adapters changed: the names follow, and waiters may now
+        be placed (or learn they cannot)."""
+        self.catalog.learn(self.engines)
+        self.seat_freed()
+
+    def admitted(
+        self, phase: Phase, now: float | None = None, among: Iterable[Engine] | None = None
+    ) -> list[Engine]:
+        """Admitted engines of `phase`, of the whole fleet or `among` some."""
         now = _now() if now is None else now
-        return [e for e in self.engines if e.serves(phase) and e.state(now) is EngineState.ADMITTED]
+        return [
+            e
+            for e in (self.engines if among is None else among)
+            if e.serves(phase) and e.state(now) is EngineState.ADMITTED
+        ]
 
-    def can_serve(self) -> bool:
-        """Whether placement would find a consumer (admitted, or by panic)."""
+    def can_serve(self, model: str | None = None) -> bool:
+        """Whether placement would find a consumer (admitted, or by panic), in one pool or
+        in any."""
         now = _now()
-        return bool(self.admitted(Phase.DECODE, now) or self.panic_candidates(Phase.DECODE, now))
+        pools = [model] if model is not None else self.models()
+        for name in pools:
+            members = self.pool(name) if self.catalog.several else self.engines
+            if self.admitted(Phase.DECODE, now, members) or self.panic_candidates(
+                Phase.DECODE, now, members
+            ):
+                return True
+        return False
 
     def degraded(self) -> bool:
-        """Whether some phase has no admitted engine (fallback or panic placement)."""
+        """Whether some pool has a phase with no admitted engine (fallback or panic
+        placement)."""
         now = _now()
-        return not (self.admitted(Phase.PREFILL, now) and self.admitted(Phase.DECODE, now))
+        for name in self.models() if self.catalog.several else [None]:
+            members = self.engines if name is None else self.pool(name)
+            if not (
+                self.admitted(Phase.PREFILL, now, members)
+                and self.admitted(Phase.DECODE, now, members)
+            ):
+                return True
+        return False
 
     def quarantine(self, engine: Engine, seconds: float, reason: str) -> None:
         """Out of placement for `seconds` (a longer quarantine already running stands)."""
@@ -316,11 +246,17 @@ class Fleet:
         restarted one (health, the pinned contract, a real transfer with a partner): an
         operator's typo in a url or a model must not cost requests. `detail`: its `added`
         event's; `source`: see `Engine.source`."""
-        engine = _engine(spec, self.share, new=True)
+        engine = self._engine(spec, new=True)
         engine.ejection_reason, engine.source = NOT_YET_PROBED, source
         self.engines.append(engine)
         self.by_id[engine.id] = engine
+        self.catalog.learn(self.engines)
         engine.lifecycle.apply(Event.JOIN, self.emit, detail)
+        return engine
+
+    def _engine(self, spec: EngineSpec, *, new: bool = False) -> Engine:
+        engine = Engine(spec, pinned=spec.pin, acting=spec.start_as, share=self.share, new=new)
+        engine.model = spec.model or self.catalog.default
         return engine
 
     def remove(self, engine: Engine, why: str) -> None:
@@ -329,6 +265,7 @@ class Fleet:
         del self.by_id[engine.id]
         self.placer.index.clear(engine.id)
         self._draining.discard(engine)
+        self.catalog.learn(self.engines)
         engine.lifecycle.apply(Event.REMOVE, self.emit, why)
 
     def drain(self, engine: Engine, why: str) -> None:
@@ -353,11 +290,16 @@ class Fleet:
     # Placement ---------------------------------------------------------------------
 
     def try_reserve(
-        self, avoid: frozenset[str] = frozenset(), key: PromptKey | None = None
+        self,
+        avoid: frozenset[str] = frozenset(),
+        key: PromptKey | None = None,
+        target: Target | None = None,
     ) -> Reservation | None:
         """Seats on a producer and a consumer now, or None if no pair is free.
 
-        The placement policy chooses among engines with a seat (power of two choices over
+        Only the engines of the request's pool (`target`) are candidates; for an adapter,
+        those that hold it, else (with `lora.load_on_demand`) those that may load it. The
+        placement policy chooses among engines with a seat (power of two choices over
         the load estimate without a prompt `key`); engines in `avoid` (they failed this
         request before) only when nothing else has a seat. The same engine serves both
         phases only when no distinct admitted consumer exists. Without an admitted
@@ -365,23 +307,24 @@ class Fleet:
         table above); raises 503 only when neither can be had.
         """
         now = _now()
-        consumers = self.admitted(Phase.DECODE, now)
+        members = self._members(target, now)
+        consumers = self.admitted(Phase.DECODE, now, members)
         panic = not consumers
         if panic:
-            consumers = self.panic_candidates(Phase.DECODE, now)
+            consumers = self.panic_candidates(Phase.DECODE, now, members)
             if not consumers:
-                raise self._unservable(Phase.DECODE)
-        producers = self.admitted(Phase.PREFILL, now)
+                raise self._unservable(Phase.DECODE, members, target)
+        producers = self.admitted(Phase.PREFILL, now, members)
         if not [p for p in producers if p.id not in avoid]:
-            return self._fallback(consumers, avoid, panic, key)
+            return self._fallback(consumers, avoid, panic, key, target)
         free = [e for e in producers if e.has_seat(Phase.PREFILL)]
-        producer, matched = self._pick(Phase.PREFILL, free, avoid, key)
+        producer, matched = self._pick(Phase.PREFILL, free, avoid, key, target)
         if producer is None:
             return None
         distinct = [c for c in consumers if c is not producer]
         pool = distinct or consumers
         consumer, _ = self._pick(
-            Phase.DECODE, [c for c in pool if c.has_seat(Phase.DECODE)], avoid, key
+            Phase.DECODE, [c for c in pool if c.has_seat(Phase.DECODE)], avoid, key, target
         )
         if consumer is None:
             return None
@@ -391,20 +334,84 @@ class Fleet:
             consumer.panics += 1
         self.placer.placed(Phase.PREFILL, producer.id, key)
         self.placer.placed(Phase.DECODE, consumer.id, key)
-        return Reservation(self, producer, consumer, panic=panic, prefix_matched=matched)
+        reservation = Reservation(
+            self, producer, consumer, panic=panic, prefix_matched=matched, target=target
+        )
+        if target is not None and target.adapter is not None:
+            self._hold_adapter(reservation, target.adapter)
+        return reservation
+
+    def _members(self, target: Target | None, now: float) -> list[Engine]:
+        """The engines a request for `target` may be placed on: its pool's, and for an
+        adapter those holding it or, on demand, able to load it."""
+        if target is None or not self.catalog.several:
+            return self.engines
+        members = [e for e in self.engines if e.model == target.base]
+        adapter = target.adapter
+        if not members:
+            raise NarwhalError(
+                503,
+                f"no engine serves model `{target.base}` now",
+                Cause.UNAVAILABLE,
+                retry_after=1,
+            )
+        if adapter is None:
+            return members
+        holders = [e for e in members if adapter in e.adapters]
+        if self.lora.load_on_demand and self.lora.adapter(adapter) is not None:
+            holders += [
+                e for e in members if adapter not in e.adapters and self._may_load(e, adapter, now)
+            ]
+        if not holders:
+            raise NarwhalError(
+                503,
+                f"no engine of model `{target.base}` holds the adapter `{adapter}` now"
+                + (
+                    " or may load it"
+                    if self.lora.load_on_demand and self.lora.adapter(adapter) is not None
+                    else ""
+                ),
+                Cause.UNAVAILABLE,
+                retry_after=1,
+            )
+        return holders
+
+    def _may_load(self, engine: Engine, adapter: str, now: float) -> bool:
+        """Whether `adapter` may be loaded on `engine`: no recent failure of that load,
+        and room under `lora.max_adapters_per_engine` (or one to evict)."""
+        if engine.adapter_failed.get(adapter, 0.0) > now:
+            return False
+        bound = self.lora.max_adapters_per_engine
+        return bound is None or len(engine.adapters) < bound or engine.evictable() is not None
+
+    def _hold_adapter(self, reservation: Reservation, adapter: str) -> None:
+        """The reservation's engines use `adapter`; those that lack it must load it."""
+        engines = (
+            [reservation.consumer]
+            if reservation.fallback
+            else [reservation.producer, reservation.consumer]
+        )
+        for engine in engines:
+            engine.use_adapter(adapter, +1)
+        reservation.loads = tuple(dict.fromkeys(e for e in engines if not e.holds(adapter)))
 
     def _fallback(
-        self, consumers: list[Engine], avoid: frozenset[str], panic: bool, key: PromptKey | None
+        self,
+        consumers: list[Engine],
+        avoid: frozenset[str],
+        panic: bool,
+        key: PromptKey | None,
+        target: Target | None,
     ) -> Reservation | None:
         free = [c for c in consumers if c.has_seat(Phase.DECODE)]
-        consumer, matched = self._pick(Phase.DECODE, free, avoid, key)
+        consumer, matched = self._pick(Phase.DECODE, free, avoid, key, target)
         if consumer is None:
             return None
         consumer.decode_seats += 1
         if panic:
             consumer.panics += 1
         self.placer.placed(Phase.DECODE, consumer.id, key)
-        return Reservation(
+        reservation = Reservation(
             self,
             consumer,
             consumer,
@@ -412,14 +419,20 @@ class Fleet:
             fallback=True,
             panic=panic,
             prefix_matched=matched,
+            target=target,
         )
+        if target is not None and target.adapter is not None:
+            self._hold_adapter(reservation, target.adapter)
+        return reservation
 
-    def panic_candidates(self, phase: Phase, now: float) -> list[Engine]:
+    def panic_candidates(
+        self, phase: Phase, now: float, among: Iterable[Engine] | None = None
+    ) -> list[Engine]:
         """Engines of `phase` that are out of placement but may still serve: not refusing
         connections, not breaking the pinned contract."""
         return [
             e
-            for e in self.engines
+            for e in (self.engines if among is None else among)
             if e.serves(phase)
             and e.state(now) is not EngineState.ADMITTED
             and not e.draining
@@ -427,43 +440,89 @@ class Fleet:
             and not e.mismatched
         ]
 
-    def _unservable(self, phase: Phase) -> NarwhalError:
-        members = [e for e in self.engines if e.serves(phase)]
+    def _unservable(
+        self, phase: Phase, members: list[Engine], target: Target | None
+    ) -> NarwhalError:
+        members = [e for e in members if e.serves(phase)]
         refusing = sum(e.refusing for e in members)
         mismatched = sum(e.mismatched for e in members)
         drained = sum(e.draining for e in members)
         why = [f"{refusing} refuse connections"] if refusing else []
         why += [f"{mismatched} break the engine contract"] if mismatched else []
         why += [f"{drained} drained by an operator"] if drained else []
+        engines = (
+            f"engine of model `{target.base}`"
+            if target is not None and self.catalog.several
+            else "engine"
+        )
         return NarwhalError(
             503,
-            f"no engine can {phase.value}: none of the {len(members)} is admitted"
+            f"no {engines} can {phase.value}: none of the {len(members)} is admitted"
             + (f" ({', '.join(why)})" if why else ""),
             Cause.UNAVAILABLE,
             retry_after=1,
         )
 
     def _pick(
-        self, phase: Phase, candidates: list[Engine], avoid: frozenset[str], key: PromptKey | None
+        self,
+        phase: Phase,
+        candidates: list[Engine],
+        avoid: frozenset[str],
+        key: PromptKey | None,
+        target: Target | None,
     ) -> tuple[Engine | None, int]:
         preferred = [e for e in candidates if e.id not in avoid] or candidates
+        if target is not None and target.adapter is not None:
+            # Engines that hold the adapter first: one that must load it only when none
+            # of those has a seat.
+            preferred = [e for e in preferred if target.adapter in e.adapters] or preferred
         return self.placer.choose(phase.value, preferred, key)
 
     # Waiting for a seat ------------------------------------------------------------
 
     async def reserve(
-        self, avoid: frozenset[str] = frozenset(), key: PromptKey | None = None
+        self,
+        avoid: frozenset[str] = frozenset(),
+        key: PromptKey | None = None,
+        target: Target | None = None,
     ) -> Reservation:
-        """A reservation, waiting in arrival order for up to `queue_timeout_s`.
+        """A reservation, waiting in arrival order (within the pool) for up to
+        `queue_timeout_s`, with the adapter `target` names loaded on its engines.
 
         The request's own deadline (an enclosing timeout) may end the wait sooner; a
-        waiter that leaves for any reason never keeps a seat.
+        waiter that leaves for any reason never keeps a seat. A failed load passes that
+        engine over for the adapter and places the request again.
         """
-        if not self._queue:
-            reservation = self.try_reserve(avoid, key)
+        for _ in range(len(self.engines) + 1):
+            reservation = await self._seats(avoid, key, target)
+            if not reservation.loads or self.prepare is None:
+                return reservation
+            try:
+                loaded = await self.prepare(reservation)
+            except BaseException:
+                reservation.release()
+                raise
+            if loaded:
+                reservation.loads = ()
+                return reservation
+            reservation.release()
+        raise NarwhalError(
+            503,
+            f"the adapter `{target.adapter if target else ''}` could not be loaded on any engine",
+            Cause.UNAVAILABLE,
+            retry_after=1,
+        )
+
+    async def _seats(
+        self, avoid: frozenset[str], key: PromptKey | None, target: Target | None
+    ) -> Reservation:
+        queue_key = target if self.catalog.several else None
+        queue = self._queues.get(queue_key)
+        if not queue:
+            reservation = self.try_reserve(avoid, key, target)
             if reservation is not None:
                 return reservation
-        if len(self._queue) >= self.queue_capacity:
+        if self.queued >= self.queue_capacity:
             raise NarwhalError(
                 429,
                 f"the router's queue is full ({self.queue_capacity} requests wait for a seat; "
@@ -471,8 +530,10 @@ class Fleet:
                 Cause.UNAVAILABLE,
                 retry_after=1,
             )
-        waiter = _Waiter(avoid, key, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(avoid, key, target, asyncio.get_running_loop().create_future())
+        if queue is None:
+            queue = self._queues[queue_key] = deque()
+        queue.append(waiter)
         try:
             async with clock().timeout(self.queue_timeout_s):
                 return await waiter.future
@@ -495,39 +556,43 @@ class Fleet:
             future.result().release()
             return
         future.cancel()
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        queue = self._queues.get(waiter.target if self.catalog.several else None)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
             self.seat_freed()
 
     def seat_freed(self) -> None:
-        """Grant seats to waiters in arrival order; the head blocks those behind it."""
+        """Grant seats to waiters in arrival order within each pool's queue; a queue's
+        head blocks those behind it, not another pool's."""
         if self._draining:
             self._note_drained()
         if self._waking:
             return
         self._waking = True
         try:
-            while self._queue:
-                head = self._queue[0]
-                if head.future.done():
-                    self._queue.popleft()
-                    continue
-                try:
-                    reservation = self.try_reserve(head.avoid, head.key)
-                except NarwhalError as error:
-                    self._queue.popleft()
-                    head.future.set_exception(error)
-                    continue
-                if reservation is None:
-                    return
-                self._queue.popleft()
-                head.future.set_result(reservation)
+            for queue_key, queue in list(self._queues.items()):
+                self._wake(queue)
+                if not queue:
+                    del self._queues[queue_key]
         finally:
             self._waking = False
 
-
-def _engine(spec: EngineSpec, share: SeatShare, *, new: bool = False) -> Engine:
-    return Engine(spec, pinned=spec.pin, acting=spec.start_as, share=share, new=new)
+    def _wake(self, queue: deque[_Waiter]) -> None:
+        while queue:
+            head = queue[0]
+            if head.future.done():
+                queue.popleft()
+                continue
+            try:
+                reservation = self.try_reserve(head.avoid, head.key, head.target)
+            except NarwhalError as error:
+                queue.popleft()
+                head.future.set_exception(error)
+                continue
+            if reservation is None:
+                return
+            queue.popleft()
+            head.future.set_result(reservation)
 
 
 def _now() -> float:

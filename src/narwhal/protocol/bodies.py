@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from narwhal.protocol.descriptor import prefill_request_params
-from narwhal.protocol.errors import Cause, NarwhalError, client_error
+from narwhal.protocol.errors import client_error
 
 
 class Endpoint(StrEnum):
@@ -91,7 +91,8 @@ def _check_single_choice(body: dict[str, Any], field: str) -> None:
 
 
 def parse_client_request(endpoint: Endpoint, raw: bytes, model: str) -> ClientRequest:
-    """Parse and check a client body; raises a 400/404 `NarwhalError` naming the problem."""
+    """Parse and check a client body; raises a 400 `NarwhalError` naming the problem.
+    `model`: the default model, for a body that names none."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -101,13 +102,8 @@ def parse_client_request(endpoint: Endpoint, raw: bytes, model: str) -> ClientRe
     requested = body.get("model", model)
     if not isinstance(requested, str):
         raise client_error(400, "`model` must be a string")
-    if requested != model:
-        raise NarwhalError(
-            404,
-            f"The model `{requested}` does not exist. This router serves `{model}`.",
-            Cause.BAD_REQUEST,
-        )
-    body["model"] = model
+    # Which pool the name stands for is placement's to say (`fleet.models`).
+    body["model"] = requested
     if endpoint is Endpoint.COMPLETIONS:
         if "prompt" not in body:
             raise client_error(400, "`prompt` is required")

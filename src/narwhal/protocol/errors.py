@@ -74,9 +74,11 @@ class NarwhalError(Exception):
         retry_after: int | None = None,
         param: str | None = None,
         relayed: Mapping[str, Any] | None = None,
+        code: str | None = None,
     ) -> None:
         """`param` names the request field at fault; `relayed` is an engine's own error
-        object, answered to the client as the engine sent it."""
+        object, answered to the client as the engine sent it; `code` is the body's `code`
+        where OpenAI names one (`model_not_found`), else the status."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -86,6 +88,7 @@ class NarwhalError(Exception):
         self.retry_after = retry_after
         self.param = param
         self.relayed = relayed
+        self.code = code
 
     @property
     def is_engine_fault(self) -> bool:
@@ -103,7 +106,7 @@ class NarwhalError(Exception):
                 "message": self.message,
                 "type": error_type(self.status),
                 "param": self.param,
-                "code": self.status,
+                "code": self.status if self.code is None else self.code,
             }
         }
 

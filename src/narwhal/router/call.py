@@ -57,6 +57,10 @@ class Call:
     arrival: float
     deadline: float
     stream: bool = False
+    # The pool (base model) it was served from, and its LoRA adapter where it named one;
+    # None until its `model` was resolved.
+    model: str | None = None
+    adapter: str | None = None
     producer: str | None = None
     consumer: str | None = None
     handoff: str | None = None

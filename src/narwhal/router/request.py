@@ -152,10 +152,16 @@ class RequestPath:
         config = self.config
         body = await reply.body(config.server.client_timeout_s)
         request = parse_client_request(call.endpoint, body, config.model)
+        target = self.fleet.catalog.resolve(request.body["model"])
+        # An alias goes to the engines as the name they serve.
+        request.body["model"] = target.served
+        call.model, call.adapter = target.base, target.adapter
         call.stream = request.stream
         progress = tracker(config.continuation, request)
         call.tracks_ids = progress is not None
-        first = FirstTries(self.fleet, request, self.outcome.budget, config.serving.max_attempts)
+        first = FirstTries(
+            self.fleet, request, self.outcome.budget, config.serving.max_attempts, target
+        )
         if progress is not None:
             rescue = Rescue(
                 self.fleet,
@@ -166,6 +172,7 @@ class RequestPath:
                 progress,
                 first.key,
                 config.continuation,
+                target,
             )
             await rescue.serve(first)
             return

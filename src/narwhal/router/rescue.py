@@ -16,6 +16,7 @@ import orjson
 from narwhal.config.continuation import ContinuationConfig
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
+from narwhal.fleet.models import Target
 from narwhal.fleet.placement import PromptKey
 from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest, Endpoint
@@ -66,6 +67,7 @@ class Rescue:
         progress: Progress,
         key: PromptKey | None,
         settings: ContinuationConfig,
+        target: Target | None = None,
     ) -> None:
         """`key`: the client prompt's placement key. A replay begins with that prompt, so
         prefix placement prefers the producer expected to hold it in its prefix cache."""
@@ -77,6 +79,7 @@ class Rescue:
         self.client_request = client_request
         self.progress = progress
         self.key = key
+        self.target = target
         self.report = (reply.header(REPORT_HEADER) or "").lower() == "report"
         self.assembler = None if client_request.stream else Assembler(call.endpoint)
         self.head: Head | None = None
@@ -207,7 +210,7 @@ class Rescue:
 
     async def reserve(self, call: Call) -> Reservation:
         try:
-            return await self.fleet.reserve(frozenset(self.avoid), self.key)
+            return await self.fleet.reserve(frozenset(self.avoid), self.key, self.target)
         except NarwhalError as unplaced:
             why = f"no consumer was placed: {unplaced.message}"
             raise self._refused(why, FLEET) from None

@@ -19,6 +19,7 @@ from typing import Generic, Protocol
 
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.whole_answer import WholeAnswer
+from narwhal.fleet.models import Target
 from narwhal.fleet.placement import PromptKey
 from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest
@@ -82,21 +83,29 @@ class FirstTries:
     rescue = False
 
     def __init__(
-        self, fleet: Fleet, request: ClientRequest, budget: RetryBudget, max_attempts: int
+        self,
+        fleet: Fleet,
+        request: ClientRequest,
+        budget: RetryBudget,
+        max_attempts: int,
+        target: Target | None = None,
     ) -> None:
+        """`target`: the pool and adapter the request's `model` names (`fleet.models`)."""
         self.fleet = fleet
         self.request = request
         self.budget = budget
         self.max_attempts = max_attempts
+        self.target = target
         # The prompt's placement key: continuations are placed by it as well.
-        self.key: PromptKey | None = fleet.placer.key(request.body)
+        scope = target.adapter if target is not None else None
+        self.key: PromptKey | None = fleet.placer.key(request.body, scope)
         self.failed_on: set[str] = set()
 
     def next_try(self, call: Call) -> ClientRequest:
         return self.request
 
     async def reserve(self, call: Call) -> Reservation:
-        return await self.fleet.reserve(frozenset(self.failed_on), self.key)
+        return await self.fleet.reserve(frozenset(self.failed_on), self.key, self.target)
 
     def placed(self, call: Call, reservation: Reservation) -> None:
         pass
