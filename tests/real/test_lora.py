@@ -24,7 +24,8 @@ import pytest
 import pytest_asyncio
 
 from narwhal.app.server import RouterServer
-from narwhal.config.root import ConfigError, parse_config
+from narwhal.config.root import parse_config
+from narwhal.protocol.descriptor import prefill_request_params
 from narwhal.tools.vllm_fleet import LoraModule, LoraOptions, VllmEngine, VllmFleet, VllmOptions
 from support.real import (
     CLIENT_TIMEOUT_S,
@@ -44,33 +45,8 @@ ADAPTER = LoraModule("narwhal-tiny-sea", TINY_MODEL / "lora")
 # the narwhal under the ice: short answers, unlike one another.
 PROMPT = "The whales sing under grey skies and"
 MAX_TOKENS = 32
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 PULLED = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer")
 COMPUTED = ("vllm:prompt_tokens_by_source_total", "local_compute")
-
-
-def router_supports_lora() -> bool:
-    """Whether narwhal.config reads `[lora]` and an engine's `model` (the router's side)."""
-    try:
-        parse_config(
-            {
-                "engines": [
-                    {"id": "e", "url": "http://127.0.0.1:1", "role": "both", "model": MODEL}
-                ],
-                "lora": {"adapters": [{"name": "a", "path": "/a", "base": MODEL}]},
-            },
-            source="probe",
-        )
-    except ConfigError:
-        return False
-    return True
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -120,7 +96,7 @@ async def by_hand(producer: VllmEngine, consumer: VllmEngine, prefill: str, deco
     """A handoff without the router: `prefill` names the producer's model, `decode` the
     consumer's, and the consumer pulls the blocks the descriptor names."""
     status, answer = await completion(
-        producer, prefill, max_tokens=1, kv_transfer_params=PREFILL_PARAMS
+        producer, prefill, max_tokens=1, kv_transfer_params=prefill_request_params()
     )
     assert status == 200, answer
     descriptor = answer["kv_transfer_params"]
@@ -206,7 +182,7 @@ async def test_runtime_loading_answers_as_vllm_0_32_does(lora_fleet: VllmFleet) 
 # Not yet run against the router: enabled by NARWHAL_REAL_LORA_ROUTER=1 until the router's
 # request path serves adapters; then drop the variable.
 @pytest.mark.skipif(
-    os.environ.get("NARWHAL_REAL_LORA_ROUTER") != "1" or not router_supports_lora(),
+    os.environ.get("NARWHAL_REAL_LORA_ROUTER") != "1",
     reason="the router's adapter support: set NARWHAL_REAL_LORA_ROUTER=1 once it is in",
 )
 async def test_the_adapters_answer_through_the_router_equals_one_engine_alone(

@@ -29,16 +29,6 @@ MODEL_ENGINE_KEYS: Final = (
 
 
 @dataclass(frozen=True, slots=True)
-class LegTimeouts:
-    """How long one request's legs may take: `[engine]`'s values, or a model's own."""
-
-    first_token_timeout_s: float = 2.5
-    decode_read_timeout_s: float = 10.0
-    prefill_timeout_s: float = 120.0
-    whole_answer_timeout_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """One `[[models]]` entry. `engine` and `slo` hold only the keys it overrides; `None`
     everywhere else takes the router-wide value."""

@@ -32,7 +32,6 @@ from narwhal.config.engine_spec import (
     url_address,
 )
 from narwhal.config.models import (
-    LegTimeouts,
     LoraConfig,
     ModelConfig,
     check_names,
@@ -177,33 +176,6 @@ class Config:
     def handoff_bound_s(self) -> float:
         """The oldest a handoff may be when its decode is sent: the KV lease less a sixth."""
         return self.engine.kv_lease_s * (1 - _HANDOFF_MARGIN)
-
-    def model_config(self, name: str) -> ModelConfig | None:
-        """The `[[models]]` entry of a base model, if it has one."""
-        for model in self.models:
-            if model.name == name:
-                return model
-        return None
-
-    def slo_for(self, model: str) -> SloConfig:
-        """The model's own `[slo]`, else the router's."""
-        entry = self.model_config(model)
-        return entry.slo if entry is not None and entry.slo is not None else self.slo
-
-    def leg_timeouts(self, model: str | None = None) -> LegTimeouts:
-        """How long a request's legs may take for `model`: its `[[models]]` overrides over
-        `[engine]`."""
-        engine = self.engine
-        base = LegTimeouts(
-            first_token_timeout_s=engine.first_token_timeout_s,
-            decode_read_timeout_s=engine.decode_read_timeout_s,
-            prefill_timeout_s=engine.prefill_timeout_s,
-            whole_answer_timeout_s=engine.whole_answer_timeout_s,
-        )
-        entry = self.model_config(model) if model is not None else None
-        if entry is None or not entry.engine:
-            return base
-        return replace(base, **entry.engine)
 
     def engine_spec(self, engine_id: str) -> EngineSpec:
         """The engine with this id; KeyError if there is none."""

@@ -108,10 +108,6 @@ class Catalog:
             raise model_not_found(name, self._names)
         return target
 
-    def names(self) -> dict[str, Target]:
-        """Every name a client may use, aliases included."""
-        return dict(self._names)
-
     def learn(self, engines: Iterable[Member]) -> None:
         """Take in what the engines serve now (their models and adapters): names the
         configuration does not hold come and go with the engines that list them."""

@@ -164,14 +164,6 @@ class Fleet:
     def queued(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
-    def queued_for(self, model: str) -> int:
-        """Requests of one pool waiting for a seat."""
-        return sum(
-            len(queue)
-            for target, queue in self._queues.items()
-            if target is None or target.base == model
-        )
-
     def models(self) -> list[str]:
         """The pools: every base model an engine serves, in the engines' order."""
         return list(dict.fromkeys(e.model for e in self.engines))
@@ -179,10 +171,6 @@ class Fleet:
     def pool(self, model: str) -> list[Engine]:
         """The engines of one base model."""
         return [e for e in self.engines if e.model == model]
-
-    def peers(self, engine: Engine) -> list[Engine]:
-        """The engines of its pool (itself included): all of them in a one-model fleet."""
-        return self.pool(engine.model) if self.catalog.several else self.engines
 
     def models_changed(self) -> None:
         """An engine's model or adapters changed: the names follow, and waiters may now
@@ -358,7 +346,8 @@ class Fleet:
         if adapter is None:
             return members
         holders = [e for e in members if adapter in e.adapters]
-        if self.lora.load_on_demand and self.lora.adapter(adapter) is not None:
+        loadable = self.lora.load_on_demand and self.lora.adapter(adapter) is not None
+        if loadable:
             holders += [
                 e for e in members if adapter not in e.adapters and self._may_load(e, adapter, now)
             ]
@@ -366,11 +355,7 @@ class Fleet:
             raise NarwhalError(
                 503,
                 f"no engine of model `{target.base}` holds the adapter `{adapter}` now"
-                + (
-                    " or may load it"
-                    if self.lora.load_on_demand and self.lora.adapter(adapter) is not None
-                    else ""
-                ),
+                + (" or may load it" if loadable else ""),
                 Cause.UNAVAILABLE,
                 retry_after=1,
             )
