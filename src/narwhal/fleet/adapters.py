@@ -52,7 +52,8 @@ class Adapters:
         """`session`: the engine client's general session (off the request path)."""
         self.fleet = fleet
         self._session = session
-        self.headers = headers
+        # vLLM refuses a load or unload not sent as JSON (415 read as a 400).
+        self.headers = {**headers, "Content-Type": "application/json"}
         self.lora = lora
         self._loading: dict[tuple[str, str], asyncio.Task[LoadResult]] = {}
         # Loads and unloads by result, since start.
