@@ -8,7 +8,7 @@ from typing import Any
 
 from narwhal.config.secrets import Secrets
 from narwhal.tools.sim.fleet import SimFleet
-from support.stack import COMPLETION, FAST, Stack, StackFactory, router_state, settled
+from support.stack import COMPLETION, FAST, MODEL, Stack, StackFactory, router_state, settled
 
 ADMIN_KEY = "sk-admin-1111111111"
 CLIENT_KEY = "sk-client-2222222222"
@@ -115,8 +115,9 @@ async def test_drain_delete_add_and_patch_show_in_state_metrics_and_the_journal(
         async with stack.http.get(stack.url + "/metrics") as response:
             metrics = await response.text()
         assert 'engine="d1"' not in metrics
-        assert 'narwhal_engine_info{engine="d9",role="decode"' in metrics
-        assert 'narwhal_engine_state{engine="d9",state="drained"} 0.0' in metrics
+        model = f'model="{MODEL}"'
+        assert f'narwhal_engine_info{{engine="d9",{model},role="decode"' in metrics
+        assert f'narwhal_engine_state{{engine="d9",{model},state="drained"}} 0.0' in metrics
 
         events = [(line["event"], line["engine"]) for line in await stack.journal(7, kind="engine")]
         assert events == [

@@ -40,8 +40,19 @@ class Samples:
                 self.values[(sample.name, frozenset(sample.labels.items()))] = sample.value
 
     def __call__(self, name: str, **labels: str) -> float:
-        """The sample's value; 0 for a labelled series that has not appeared yet."""
-        return self.values.get((name, frozenset(labels.items())), 0.0)
+        """The sample's value summed over the labels not named (as `sum by` the named ones
+        would: the model and adapter the request series carry, say); 0 for a labelled
+        series that has not appeared yet."""
+        wanted = frozenset(labels.items())
+        return sum(
+            value
+            for (sample, have), value in self.values.items()
+            if sample == name and wanted <= have
+        )
+
+    def exactly(self, name: str, **labels: str) -> float | None:
+        """The value of the one sample with exactly these labels, if it is there."""
+        return self.values.get((name, frozenset(labels.items())))
 
 
 async def scrape(stack: Stack) -> Samples:

@@ -105,7 +105,8 @@ async def test_prefill_pressure_moves_one_engine_to_prefill(make_stack: StackFac
         assert any(line["producer"] == moved for line in requests)
 
         metrics = await (await stack.http.get(stack.url + "/metrics")).text()
-        assert f'narwhal_engine_role{{engine="{moved}",role="prefill"}} 1.0' in metrics
+        role = f'narwhal_engine_role{{engine="{moved}",model="{MODEL}",role="prefill"}} 1.0'
+        assert role in metrics
         assert 'narwhal_controller_moves_total{reason="ttft_pressure"} 1.0' in metrics
 
 

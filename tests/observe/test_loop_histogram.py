@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from narwhal.observe.loop_histogram import LoopHistogram
+from narwhal.observe.loop_histogram import LoopHistogram, LoopHistogramFamily
 from narwhal.observe.metrics import DURATION_BUCKETS, LATENCY_BUCKETS
 
 
@@ -47,3 +47,36 @@ def test_the_exposition_is_the_client_librarys_for_the_same_values(
         reference.observe(value)
         mine.observe(value)
     assert exposition(ours) == exposition(theirs)
+
+
+class _Family(Collector):
+    def __init__(self, family: LoopHistogramFamily) -> None:
+        self.family = family
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.family.family()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([("a", ""), ("a", "sql"), ("b", "")]),
+            st.floats(min_value=0, max_value=1000, allow_nan=False),
+        ),
+        max_size=30,
+    )
+)
+def test_a_labelled_family_is_the_client_librarys_labelled_histogram(
+    values: list[tuple[tuple[str, str], float]],
+) -> None:
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    labels = ("model", "adapter")
+    reference = Histogram("h_seconds", "help", labels, buckets=LATENCY_BUCKETS, registry=theirs)
+    mine = LoopHistogramFamily("h_seconds", "help", LATENCY_BUCKETS, labels)
+    ours.register(_Family(mine))
+    for pair, value in values:
+        reference.labels(*pair).observe(value)
+        mine.child(*pair).observe(value)
+    assert exposition(ours) == exposition(theirs)
+    for pair, _ in values:
+        assert mine.child(*pair) is mine.child(*pair)

@@ -145,6 +145,7 @@ async def test_one_finished_call_moves_its_request_metrics() -> None:
         attempts=2,
         output_tokens=None,
         handoffs=["crossed", "recomputed"],
+        model="m",
     )
     done.cause = "descriptor"
     done.errors = [
@@ -157,18 +158,56 @@ async def test_one_finished_call_moves_its_request_metrics() -> None:
     values = samples(body)
 
     assert content_type.startswith("text/plain")
-    labels = "outcome=error,route=/v1/completions,status=502"
+    base = "adapter=,model=m"
+    labels = f"{base},outcome=error,route=/v1/completions,status=502"
     assert values[f"narwhal_requests_total{{{labels}}}"] == 1
-    assert values["narwhal_request_errors_total{cause=descriptor,route=/v1/completions}"] == 1
-    assert values["narwhal_request_duration_seconds_sum{}"] == 1.5
-    assert values["narwhal_first_byte_after_ttft_seconds_sum{}"] == pytest.approx(0.3)
-    assert values["narwhal_queue_wait_seconds_sum{}"] == 0.01
-    assert values["narwhal_decode_seconds_sum{}"] == 0.3
-    assert values["narwhal_attempts_total{}"] == 2
+    errors = "adapter=,cause=descriptor,model=m,route=/v1/completions"
+    assert values[f"narwhal_request_errors_total{{{errors}}}"] == 1
+    assert values[f"narwhal_request_duration_seconds_sum{{{base}}}"] == 1.5
+    assert values[f"narwhal_first_byte_after_ttft_seconds_sum{{{base}}}"] == pytest.approx(0.3)
+    assert values[f"narwhal_queue_wait_seconds_sum{{{base}}}"] == 0.01
+    assert values[f"narwhal_decode_seconds_sum{{{base}}}"] == 0.3
+    assert values[f"narwhal_attempts_total{{{base}}}"] == 2
     assert values["narwhal_handoffs_total{kind=crossed}"] == 1
     assert values["narwhal_handoffs_total{kind=recomputed}"] == 1
     assert values["narwhal_descriptor_rejections_total{defect=missing_engine_id}"] == 1
-    assert values["narwhal_output_tokens_total{}"] == 0
+    assert values[f"narwhal_output_tokens_total{{{base}}}"] == 0
+
+
+async def test_request_series_are_labelled_by_model_and_adapter_and_made_once() -> None:
+    the_router = router()
+    # The pool's base-weights series exist before its first request.
+    fresh = samples(the_router.metrics.render(None)[0])
+    assert fresh["narwhal_ttft_seconds_count{adapter=,model=m}"] == 0
+    assert fresh["narwhal_output_tokens_total{adapter=,model=m}"] == 0
+    metrics = the_router.metrics
+    for model, adapter, tokens in (
+        ("m", None, 3),
+        ("m", "sql", 5),
+        ("m", "sql", 7),
+        ("n", None, 1),
+    ):
+        metrics.observe(
+            call(200, model=model, adapter=adapter, output_tokens=tokens, ttft_s=0.1), 11.0
+        )
+    # Refused before its model was known (a bad body, an unknown name): model "".
+    metrics.observe(call(404), 11.0)
+    values = samples(metrics.render(None)[0])
+    ok = "outcome=ok,route=/v1/completions,status=200"
+    assert values[f"narwhal_requests_total{{adapter=,model=m,{ok}}}"] == 1
+    assert values[f"narwhal_requests_total{{adapter=sql,model=m,{ok}}}"] == 2
+    assert values[f"narwhal_requests_total{{adapter=,model=n,{ok}}}"] == 1
+    missing = "outcome=client_error,route=/v1/completions,status=404"
+    assert values[f"narwhal_requests_total{{adapter=,model=,{missing}}}"] == 1
+    assert values["narwhal_output_tokens_total{adapter=sql,model=m}"] == 12
+    assert values["narwhal_ttft_seconds_count{adapter=sql,model=m}"] == 2
+    assert values["narwhal_ttft_seconds_count{adapter=,model=n}"] == 1
+    # Summed over the new labels, the series are what they were without them.
+    total = sum(v for k, v in values.items() if k.startswith("narwhal_requests_total{"))
+    assert total == 5
+    # One kept set of series per pair: a second request finds the same children.
+    assert metrics.series("m", "sql") is metrics.series("m", "sql")
+    assert metrics.series("m", "sql").ttft is metrics.ttft.child("m", "sql")
 
 
 async def test_engine_metrics_are_read_from_the_engines_when_scraped() -> None:
@@ -179,25 +218,32 @@ async def test_engine_metrics_are_read_from_the_engines_when_scraped() -> None:
     d0.failures["silence"] = 3
     d0.probes["failure"] = 2
     d0.decode_seats = 5
+    d0.adapters = {"sql": None, "poet": None}
     values = samples(the_router.metrics.render(None)[0])
-    assert values["narwhal_engine_state{engine=d0,state=ejected}"] == 1
-    assert values["narwhal_engine_state{engine=d0,state=admitted}"] == 0
-    assert values["narwhal_engine_state{engine=p0,state=admitted}"] == 1
-    assert values["narwhal_engine_streak{engine=d0}"] == 3
-    assert values["narwhal_engine_ejections_total{engine=d0}"] == 1
-    assert values["narwhal_engine_leg_failures_total{cause=silence,engine=d0}"] == 3
-    assert values["narwhal_engine_leg_failures_total{cause=connect,engine=d0}"] == 0
-    assert values["narwhal_engine_probes_total{engine=d0,result=failure}"] == 2
-    assert values["narwhal_engine_probes_total{engine=d0,result=success}"] == 0
-    assert values["narwhal_engine_seats_in_use{engine=d0,phase=decode}"] == 5
+    # Every engine series names the engine's model.
+    assert values["narwhal_engine_state{engine=d0,model=m,state=ejected}"] == 1
+    assert values["narwhal_engine_state{engine=d0,model=m,state=admitted}"] == 0
+    assert values["narwhal_engine_state{engine=p0,model=m,state=admitted}"] == 1
+    assert values["narwhal_engine_streak{engine=d0,model=m}"] == 3
+    assert values["narwhal_engine_ejections_total{engine=d0,model=m}"] == 1
+    assert values["narwhal_engine_leg_failures_total{cause=silence,engine=d0,model=m}"] == 3
+    assert values["narwhal_engine_leg_failures_total{cause=connect,engine=d0,model=m}"] == 0
+    assert values["narwhal_engine_probes_total{engine=d0,model=m,result=failure}"] == 2
+    assert values["narwhal_engine_probes_total{engine=d0,model=m,result=success}"] == 0
+    assert values["narwhal_engine_seats_in_use{engine=d0,model=m,phase=decode}"] == 5
+    assert values["narwhal_engine_adapters{engine=d0,model=m}"] == 2
+    assert values["narwhal_engine_adapters{engine=p0,model=m}"] == 0
     # A decode-only engine has no prefill seats to show.
-    assert "narwhal_engine_seats_in_use{engine=d0,phase=prefill}" not in values
+    assert "narwhal_engine_seats_in_use{engine=d0,model=m,phase=prefill}" not in values
+    assert all(",model=m" in key for key in values if key.startswith("narwhal_engine_")), (
+        "an engine series without its model"
+    )
 
 
 async def test_each_router_has_its_own_registry() -> None:
     first, second = router(), router()
-    first.metrics.observe(call(200), now=11.0)
-    ok = "narwhal_requests_total{outcome=ok,route=/v1/completions,status=200}"
+    first.metrics.observe(call(200, model="m"), now=11.0)
+    ok = "narwhal_requests_total{adapter=,model=m,outcome=ok,route=/v1/completions,status=200}"
     assert samples(first.metrics.render(None)[0])[ok] == 1
     assert ok not in samples(second.metrics.render(None)[0])
 
