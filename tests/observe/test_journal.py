@@ -9,11 +9,15 @@ from pathlib import Path
 import orjson
 
 from narwhal.observe.journal import Journal
+from narwhal.protocol.bodies import Endpoint
+from narwhal.router.call import Call
 
 WRITER = """
 import asyncio, sys
 from pathlib import Path
 from narwhal.observe.journal import Journal
+from narwhal.protocol.bodies import Endpoint
+from narwhal.router.call import Call
 
 async def main() -> None:
     journal = Journal(Path(sys.argv[1]), {"worker": int(sys.argv[2])})
@@ -50,3 +54,22 @@ async def test_a_stamp_goes_on_every_line(tmp_path: Path) -> None:
     await journal.close()
     lines = [orjson.loads(line) for line in (tmp_path / "j.jsonl").read_bytes().splitlines()]
     assert [line["worker"] for line in lines] == [7, 1]
+
+
+async def test_a_request_line_names_its_model_and_adapter_when_it_has_one(
+    tmp_path: Path,
+) -> None:
+    journal = Journal(tmp_path / "j.jsonl")
+    journal.start()
+    for model, adapter in (("model-a", "sql"), ("model-b", None), (None, None)):
+        done = Call("r", None, Endpoint.COMPLETIONS, arrival=1.0, deadline=2.0)
+        done.model, done.adapter, done.status = model, adapter, 200 if model else 404
+        journal.record(done.entry(1.5))
+    await journal.close()
+    lines = [orjson.loads(line) for line in (tmp_path / "j.jsonl").read_bytes().splitlines()]
+    assert [(line["model"], line.get("adapter", "-")) for line in lines] == [
+        ("model-a", "sql"),
+        ("model-b", "-"),
+        # Refused before its model was known.
+        (None, "-"),
+    ]

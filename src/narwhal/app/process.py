@@ -30,8 +30,8 @@ from narwhal.fleet.models import Catalog
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.readmission import Readmission
 from narwhal.fleet.seat_share import SeatShare
-from narwhal.fleet.table import EngineEvent, Fleet
-from narwhal.observe.events import engine_entry, log_call, log_engine_event
+from narwhal.fleet.table import Fleet
+from narwhal.observe.events import EngineLines, log_call, log_engine_event
 from narwhal.observe.journal import Journal
 from narwhal.observe.metrics import RouterMetrics
 from narwhal.observe.recent import RecentCalls
@@ -139,7 +139,7 @@ class Router:
         ]
         first_token_hooks: list[CallHook] = []
         arrival_hooks: list[Callable[[Call], None]] = []
-        self.fleet.listeners += [self._journal_engine_event, log_engine_event]
+        self.fleet.listeners += [EngineLines(self.fleet, self.journal.record), log_engine_event]
         # After the journal's listener, so that an engine's `drained` precedes its `removed`.
         self.operations = FleetOperations(self.fleet, config, config_path)
         # Engines found as pods, only when `[discovery] enabled`.
@@ -232,9 +232,6 @@ class Router:
     def _journal_call(self, call: Call, now: float) -> None:
         if self.journal.writing:
             self.journal.record(call.entry(now))
-
-    def _journal_engine_event(self, event: EngineEvent) -> None:
-        self.journal.record(engine_entry(event))
 
 
 def _start_tracing(config: Config) -> Tracing | None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from narwhal.fleet.table import EngineEvent
+from narwhal.fleet.table import EngineEvent, Fleet
 
 if TYPE_CHECKING:
     from narwhal.router.call import Call
@@ -28,13 +29,14 @@ engine_log = logging.getLogger("narwhal.engine")
 request_log = logging.getLogger("narwhal.request")
 
 
-def engine_entry(event: EngineEvent) -> dict[str, Any]:
-    """The journal line for an engine state change."""
+def engine_entry(event: EngineEvent, model: str | None = None) -> dict[str, Any]:
+    """The journal line for an engine state change; `model`: the engine's base model."""
     entry: dict[str, Any] = {
         "type": "engine",
         "ts": time.time(),
         "event": event.kind,
         "engine": event.engine,
+        "model": model,
         "result": event.result,
         "detail": event.detail,
     }
@@ -43,6 +45,25 @@ def engine_entry(event: EngineEvent) -> dict[str, Any]:
     if event.inputs is not None:
         entry["inputs"] = dict(event.inputs)
     return entry
+
+
+class EngineLines:
+    """Engine events as journal lines (`record`), each naming its engine's model: the one
+    it serves now, or, for an engine the fleet has just forgotten, the one it served."""
+
+    def __init__(self, fleet: Fleet, record: Callable[[dict[str, Any]], None]) -> None:
+        self.fleet = fleet
+        self.record = record
+        self._models: dict[str, str] = {}
+
+    def __call__(self, event: EngineEvent) -> None:
+        engine = self.fleet.by_id.get(event.engine)
+        if engine is not None:
+            self._models[event.engine] = engine.model
+            model: str | None = engine.model
+        else:
+            model = self._models.pop(event.engine, None)
+        self.record(engine_entry(event, model))
 
 
 def log_engine_event(event: EngineEvent) -> None:

@@ -159,11 +159,14 @@ class Call:
         return spent[Stage.DECODE] + spent.get(Stage.HANDOFF, 0.0) + spent.get(Stage.RELAY, 0.0)
 
     def entry(self, now: float) -> dict[str, Any]:
-        return {
+        """Its journal line; `model` is None for a request refused before its model was
+        known, and `adapter` is there only when it named one."""
+        entry = {
             "type": "request",
             "request_id": self.request_id,
             "client_request_id": self.client_request_id,
             "endpoint": self.endpoint.value,
+            "model": self.model,
             "stream": self.stream,
             "producer": self.producer,
             "consumer": self.consumer,
@@ -198,6 +201,9 @@ class Call:
                 for e in self.errors
             ],
         }
+        if self.adapter is not None:
+            entry["adapter"] = self.adapter
+        return entry
 
 
 def outcome_of(status: int) -> str:
