@@ -161,3 +161,36 @@ def test_the_merged_state_carries_the_merged_placement() -> None:
     merged = merge_states({0: snapshot(1, [engine()], None), 1: snapshot(1, [engine()], None)})
     assert merged["placement"]["engines"]["d0"]["indexed_by_worker"] == {"0": 0, "1": 0}
     assert merged["placement"]["engines"]["d0"]["recent"]["decode"] == 4
+
+
+def pool(decode: list[str], admitted: int, **adapters: list[str]) -> dict[str, Any]:
+    return {
+        "engines": {"prefill": [], "decode": decode},
+        "admitted": {"prefill": 0, "decode": admitted},
+        "can_serve": bool(admitted),
+        "degraded": True,
+        "adapters": adapters,
+    }
+
+
+def test_pools_list_every_workers_engines_and_count_the_merged_admitted() -> None:
+    a0, b0 = engine(), {**engine(), "id": "e0"}
+    first = {
+        **snapshot(0, [a0, b0], None),
+        "models": {"m": pool(["d0"], 1, sql=["d0"]), "n": pool(["e0"], 1)},
+    }
+    # Worker 1 has ejected d0 and seen it load another adapter; it knows e0 too.
+    second = {
+        **snapshot(0, [engine("ejected"), b0], None),
+        "models": {"m": pool(["d0"], 0, sql=["d0"], poet=["d0"]), "n": pool(["e0"], 1)},
+    }
+    merged = merge_states({0: first, 1: second})["models"]
+    assert list(merged) == ["m", "n"]
+    assert merged["m"]["engines"] == {"prefill": [], "decode": ["d0"]}
+    # d0 is out on one worker: the merged state counts it out, as its engine entry says.
+    assert merged["m"]["admitted"] == {"prefill": 0, "decode": 0}
+    assert merged["m"]["adapters"] == {"sql": ["d0"], "poet": ["d0"]}
+    assert merged["m"]["can_serve"] and merged["m"]["degraded"]
+    assert merged["n"]["admitted"] == {"prefill": 0, "decode": 1}
+    # The workers' own views are left as they were.
+    assert first["models"]["m"]["adapters"] == {"sql": ["d0"]}

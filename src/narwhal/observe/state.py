@@ -46,6 +46,7 @@ def snapshot(router: Observed) -> dict[str, Any]:
         },
         "recent": router.recent.summary(time.perf_counter()),
         "engines": [engine_entry(engine, now, router.abandoned) for engine in router.fleet.engines],
+        "models": models(router, now),
         "controller": (
             router.controller.summary() if router.controller is not None else {"enabled": False}
         ),
@@ -54,6 +55,32 @@ def snapshot(router: Observed) -> dict[str, Any]:
         ),
         "placement": _placement(router),
     }
+
+
+def models(router: Observed, now: float) -> dict[str, Any]:
+    """Per pool (base model): its engines by the phase they serve now, how many of those
+    are admitted, whether it can place a request and is degraded, and its adapters with
+    the engines holding each (configured adapters no engine holds yet listed empty)."""
+    fleet = router.fleet
+    pools: dict[str, Any] = {}
+    for model in fleet.models():
+        members = fleet.pool(model)
+        held: dict[str, list[str]] = {
+            adapter.name: [] for adapter in router.config.lora.adapters if adapter.base == model
+        }
+        for engine in members:
+            for adapter in engine.adapters:
+                held.setdefault(adapter, []).append(engine.id)
+        by_phase = {phase.value: [e.id for e in members if e.serves(phase)] for phase in Phase}
+        admitted = {phase.value: len(fleet.admitted(phase, now, members)) for phase in Phase}
+        pools[model] = {
+            "engines": by_phase,
+            "admitted": admitted,
+            "can_serve": fleet.can_serve(model),
+            "degraded": not all(admitted.values()),
+            "adapters": held,
+        }
+    return pools
 
 
 def _placement(router: Observed) -> dict[str, Any]:
@@ -85,6 +112,9 @@ def engine_entry(
         "id": engine.id,
         "url": engine.url,
         "role": engine.spec.role.value,
+        # Its pool, and the LoRA adapters it holds (least recently used first).
+        "model": engine.model,
+        "adapters": list(engine.adapters),
         # The phase it serves now: its role, or for a role `both` engine the one it acts in.
         "acting": engine.role.value,
         "state": engine.state(now).value,

@@ -22,6 +22,8 @@ and shows where their judgments differ:
 |                                         |   to the same events)                          |
 | placement: each engine's indexed chunks | sum, and each worker's (`indexed_by_worker`):  |
 |                                         |   every worker keeps a prefix index of its own |
+| models: each pool's engines by phase,   | every worker's, in order; admitted: the merged |
+|   adapters and their holders            |   engines admitted; can_serve, degraded: any   |
 
 Pure: the workers' snapshots in, one snapshot out.
 """
@@ -40,6 +42,7 @@ def merge_states(snapshots: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """`snapshots`: each answering worker's `/narwhal/state`, by worker number."""
     parts = [snapshots[worker] for worker in sorted(snapshots)]
     first = parts[0]
+    engines = _merge_engines({w: snapshots[w]["engines"] for w in sorted(snapshots)})
     return {
         **first,
         "in_flight": _sum(parts, "in_flight"),
@@ -50,9 +53,42 @@ def merge_states(snapshots: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "can_serve": any(part["can_serve"] for part in parts),
         "retry_budget": _sum_fields([part["retry_budget"] for part in parts]),
         "recent": merge_recent([part["recent"] for part in parts]),
-        "engines": _merge_engines({w: snapshots[w]["engines"] for w in sorted(snapshots)}),
+        "engines": engines,
+        "models": merge_models([part.get("models") or {} for part in parts], engines),
         "placement": merge_placement({w: snapshots[w]["placement"] for w in sorted(snapshots)}),
     }
+
+
+def merge_models(
+    parts: Sequence[Mapping[str, Any]], engines: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The workers' pools (`parts`): engines and adapter holders as any worker lists them;
+    a phase's admitted engines counted over the merged `engines`, whose state is the most
+    severe any worker holds."""
+    states = {engine["id"]: engine["state"] for engine in engines}
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for model, pool in part.items():
+            into = merged.setdefault(
+                model,
+                {"engines": {}, "admitted": {}, "can_serve": False, "degraded": False},
+            )
+            for phase, ids in pool["engines"].items():
+                listed = into["engines"].setdefault(phase, [])
+                listed += [i for i in ids if i not in listed]
+            holders = into.setdefault("adapters", {})
+            for adapter, ids in pool["adapters"].items():
+                listed = holders.setdefault(adapter, [])
+                listed += [i for i in ids if i not in listed]
+            into["can_serve"] = into["can_serve"] or pool["can_serve"]
+            into["degraded"] = into["degraded"] or pool["degraded"]
+    for pool in merged.values():
+        pool["admitted"] = {
+            phase: sum(states.get(i) == "admitted" for i in ids)
+            for phase, ids in pool["engines"].items()
+        }
+        pool["degraded"] = pool["degraded"] or not all(pool["admitted"].values())
+    return merged
 
 
 def merge_placement(by_worker: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
