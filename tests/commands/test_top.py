@@ -15,6 +15,8 @@ def engine(name: str, role: str, **changes: Any) -> dict[str, Any]:
         "id": name,
         "url": f"http://{name}:8000",
         "role": role,
+        "model": "whale-7b",
+        "adapters": [],
         "state": "admitted",
         "quarantined_for_s": 0.0,
         "ejection_reason": None,
@@ -64,13 +66,18 @@ def test_a_frame_shows_the_router_requests_and_engines() -> None:
     assert "  first byte        -        -        -" in text
     header = next(line for line in lines if line.startswith("ENGINE"))
     assert header.split() == [
-        "ENGINE", "ROLE", "STATE", "PREFILL", "DECODE", "RUN", "WAIT", "KV", "ABANDONED", "PINNED"
+        "ENGINE", "MODEL", "ROLE", "STATE", "PREFILL", "DECODE", "RUN", "WAIT", "KV", "ABANDONED",
+        "PINNED",
     ]  # fmt: skip
     p0 = next(line for line in lines if line.startswith("p0 "))
-    assert p0.split() == ["p0", "prefill", "admitted", "2/64", "-", "3", "1", "25%", "4", "10"]
+    assert p0.split() == [
+        "p0", "whale-7b", "prefill", "admitted", "2/64", "-", "3", "1", "25%", "4", "10"
+    ]  # fmt: skip
     d0 = next(line for line in lines if line.startswith("d0 "))
     # An unlimited seat count shows its limit as "-"; a consumer abandons nothing.
-    assert d0.split() == ["d0", "decode", "admitted", "-", "5/-", "3", "1", "25%", "-", "-"]
+    assert d0.split() == [
+        "d0", "whale-7b", "decode", "admitted", "-", "5/-", "3", "1", "25%", "-", "-"
+    ]  # fmt: skip
     assert lines[-3:] == ["  none", "", "q quits"]
 
 
@@ -123,4 +130,41 @@ def test_a_router_without_reports_or_recent_requests_shows_dashes() -> None:
     del state["recent"]
     state["engines"][0]["reported"] = None
     p0 = next(line for line in render(state, 120) if line.startswith("p0 "))
-    assert p0.split()[5:8] == ["-", "-", "-"]
+    assert p0.split()[6:9] == ["-", "-", "-"]
+
+
+def pool(prefill: list[str], decode: list[str], admitted: int, **adapters: list[str]) -> Any:
+    return {
+        "engines": {"prefill": prefill, "decode": decode},
+        "admitted": {"prefill": admitted, "decode": admitted},
+        "can_serve": bool(admitted),
+        "degraded": not admitted,
+        "adapters": adapters,
+    }
+
+
+def test_two_models_show_in_the_title_a_line_per_pool_and_the_model_column() -> None:
+    state = copy.deepcopy(STATE)
+    state["engines"] += [
+        engine("p1", "prefill", model="orca-1b", state="ejected"),
+        engine("d1", "decode", model="orca-1b", state="ejected", adapters=["sql"]),
+    ]
+    state["models"] = {
+        "whale-7b": pool(["p0"], ["d0"], 1),
+        "orca-1b": pool(["p1"], ["d1"], 0, sql=["d1"], poet=[]),
+    }
+    lines = render(state, 120, clock="t", keys=False)
+    assert lines[0] == "narwhal top · models whale-7b, orca-1b · degraded · t"
+    assert "whale-7b: prefill 1/1 · decode 1/1 admitted" in lines
+    assert "orca-1b: prefill 0/1 · decode 0/1 admitted · down · adapters sql (1), poet (0)" in lines
+    d1 = next(line for line in lines if line.startswith("d1 "))
+    assert d1.split()[:3] == ["d1", "orca-1b", "decode"]
+
+
+def test_one_pool_without_adapters_adds_no_pool_lines() -> None:
+    state = {**STATE, "models": {"whale-7b": pool(["p0"], ["d0"], 1)}}
+    assert render(state, 120) == render(STATE, 120)
+    with_adapter = {**STATE, "models": {"whale-7b": pool(["p0"], ["d0"], 1, sql=["d0"])}}
+    assert "whale-7b: prefill 1/1 · decode 1/1 admitted · adapters sql (1)" in render(
+        with_adapter, 120
+    )

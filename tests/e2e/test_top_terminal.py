@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from support.stack import COMPLETION, Stack, StackFactory
+from support.stack import COMPLETION, MODEL, Stack, StackFactory
 
 # A busy 2-core machine may take a while to start a Python process and draw.
 PATIENCE_S = 30.0
@@ -95,8 +95,8 @@ async def test_top_shows_the_fleet_and_follows_requests_then_quits_on_q(
         )
         assert "narwhal top · " + stack.url in screen
         rows = {line.split()[0]: line.split() for line in screen.splitlines() if line.strip()}
-        assert rows["p0"][:4] == ["p0", "prefill", "admitted", "0/64"]
-        assert rows["d0"][:5] == ["d0", "decode", "admitted", "-", "0/256"]
+        assert rows["p0"][:5] == ["p0", MODEL, "prefill", "admitted", "0/64"]
+        assert rows["d0"][:6] == ["d0", MODEL, "decode", "admitted", "-", "0/256"]
 
         for _ in range(3):
             assert (await stack.post("/v1/completions", COMPLETION))[0] == 200

@@ -13,6 +13,7 @@ OUTCOMES = ("ok", "client_error", "timeout", "error", "client_closed")
 # Engine table columns: heading, width (the last one takes what is left).
 COLUMNS = (
     ("ENGINE", 12),
+    ("MODEL", 16),
     ("ROLE", 8),
     ("STATE", 12),
     ("PREFILL", 9),
@@ -56,6 +57,7 @@ def render(
     if state is not None:
         lines += _router(state)
         lines += _requests(state.get("recent"))
+        lines += _models(state.get("models"))
         lines.append("")
         lines += _engines(state["engines"])
         lines += _recent_failures(state, before or {})
@@ -76,7 +78,9 @@ def status_word(state: Mapping[str, Any]) -> str:
 def _title(state: Mapping[str, Any] | None, url: str, clock: str) -> str:
     parts = ["narwhal top", url]
     if state is not None:
-        parts += [f"model {state['model']}", status_word(state)]
+        pools = list(state.get("models") or {})
+        named = f"models {', '.join(pools)}" if len(pools) > 1 else f"model {state['model']}"
+        parts += [named, status_word(state)]
     parts.append(clock)
     return " · ".join(part for part in parts if part)
 
@@ -116,6 +120,25 @@ def _requests(recent: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def _models(models: Mapping[str, Any] | None) -> list[str]:
+    """One line per pool: admitted engines of each phase out of those serving it, and its
+    adapters with how many engines hold each; nothing for one pool without adapters."""
+    if not models or (len(models) == 1 and not next(iter(models.values()))["adapters"]):
+        return []
+    lines = [""]
+    for model, pool in models.items():
+        phases = " · ".join(
+            f"{phase} {pool['admitted'][phase]}/{len(ids)}"
+            for phase, ids in pool["engines"].items()
+        )
+        adapters = ", ".join(f"{name} ({len(ids)})" for name, ids in pool["adapters"].items())
+        down = "" if pool["can_serve"] else " · down"
+        lines.append(
+            f"{model}: {phases} admitted{down}" + (f" · adapters {adapters}" if adapters else "")
+        )
+    return lines
+
+
 def _engines(engines: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = [[heading for heading, _ in COLUMNS]]
     for engine in engines:
@@ -126,6 +149,7 @@ def _engines(engines: Sequence[Mapping[str, Any]]) -> list[str]:
         rows.append(
             [
                 engine["id"],
+                engine.get("model") or "-",
                 role,
                 engine["state"],
                 _seats(seats["prefill"]) if role != "decode" else "-",

@@ -138,10 +138,14 @@ function engineCard(engine, before) {
       "div",
       { class: "engine-head" },
       el("span", { class: "engine-id" }, engine.id),
+      engine.model ? el("span", { class: "badge model", "data-field": "model" }, engine.model) : null,
       el("span", { class: "badge", "data-field": "role" }, roleText(engine)),
       el("span", { class: "badge state", "data-field": "state", "data-state": engine.state }, engine.state),
     ),
     el("div", { class: "url" }, engine.url),
+    engine.adapters && engine.adapters.length
+      ? el("div", { class: "adapters", "data-field": "adapters" }, `adapters ${engine.adapters.join(", ")}`)
+      : null,
     acting(engine) !== "decode" ? seatRow("prefill", engine.seats.prefill) : null,
     acting(engine) !== "prefill" ? seatRow("decode", engine.seats.decode) : null,
     el(
@@ -178,6 +182,46 @@ function engineCard(engine, before) {
           }),
         )
       : null,
+  );
+}
+
+// One pool's line: admitted engines of each phase out of those serving it, and its adapters
+// with how many engines hold each.
+function poolSummary(pool) {
+  const phases = Object.entries(pool.engines).map(([phase, ids]) => `${phase} ${pool.admitted[phase]}/${ids.length}`);
+  const adapters = Object.entries(pool.adapters || {}).map(([name, ids]) => `${name} (${ids.length})`);
+  return `${phases.join(" · ")} admitted${pool.can_serve ? "" : " · down"}${adapters.length ? ` · adapters ${adapters.join(", ")}` : ""}`;
+}
+
+// The engines, one group per pool (base model) when there are several; else one grid.
+function renderEngines(state, before) {
+  const container = document.getElementById("engines");
+  const pools = Object.entries(state.models || {});
+  if (pools.length <= 1) {
+    container.className = "engines";
+    container.replaceChildren(...state.engines.map((e) => engineCard(e, before)));
+    return;
+  }
+  container.className = "pools";
+  const known = new Set(pools.map(([model]) => model));
+  const groups = pools.map(([model, pool]) => [model, pool, state.engines.filter((e) => e.model === model)]);
+  const stray = state.engines.filter((e) => !known.has(e.model));
+  if (stray.length) groups.push(["other", null, stray]);
+  container.replaceChildren(
+    ...groups.map(([model, pool, engines]) =>
+      el(
+        "section",
+        { class: "pool", "data-model": model },
+        el(
+          "h3",
+          {},
+          el("span", { "data-field": "pool-model" }, model),
+          " ",
+          pool ? el("span", { class: "muted", "data-field": "pool-summary" }, poolSummary(pool)) : null,
+        ),
+        el("div", { class: "engines" }, ...engines.map((e) => engineCard(e, before))),
+      ),
+    ),
   );
 }
 
@@ -247,14 +291,15 @@ function notice(message, refused) {
 function render(state) {
   const now = Date.now();
   const before = recentFailures(state, now);
-  text("model", state.model);
+  const models = Object.keys(state.models || {});
+  text("model", models.length > 1 ? models.join(" · ") : state.model);
   text("in-flight", state.in_flight);
   text("queued", state.queued);
   text("credit", `${Math.floor(state.retry_budget.credit)}/${state.retry_budget.size}`);
   text("continued", `${state.continuation.continued}`);
   if (state.recent) renderRecent(state.recent);
   renderController(state.controller);
-  document.getElementById("engines").replaceChildren(...state.engines.map((e) => engineCard(e, before)));
+  renderEngines(state, before);
   const status = document.getElementById("status");
   const word = serving(state);
   status.dataset.status = word;
