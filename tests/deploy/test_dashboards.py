@@ -128,7 +128,7 @@ def test_the_dashboard_names_only_exported_metrics(exported: Exported) -> None:
 def test_the_dashboard_has_an_overview_and_a_row_per_engine() -> None:
     dashboard = json.loads((DASHBOARDS / "grafana-narwhal.json").read_text())
     variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "engine"} <= variables
+    assert {"datasource", "model", "engine"} <= variables
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
     assert [r["title"] for r in rows] == ["Fleet overview", "Engine $engine"]
     assert rows[1]["repeat"] == "engine"
@@ -142,6 +142,40 @@ def test_the_dashboard_has_an_overview_and_a_row_per_engine() -> None:
             after_engine_row = grid["y"] > rows[1]["gridPos"]["y"]
             selects_engine = all("$engine" in e for e in expressions(panel["targets"]))
             assert selects_engine == after_engine_row, panel["title"]
+
+
+REQUEST_SERIES = (
+    "narwhal_requests_total",
+    "narwhal_request_errors_total",
+    "narwhal_ttft_seconds_bucket",
+    "narwhal_first_byte_seconds_bucket",
+    "narwhal_first_byte_after_ttft_seconds_bucket",
+    "narwhal_queue_wait_seconds_bucket",
+    "narwhal_prefill_seconds_bucket",
+    "narwhal_decode_seconds_bucket",
+    "narwhal_attempts_total",
+)
+
+
+def test_the_model_variable_filters_every_request_panel(exported: Exported) -> None:
+    dashboard = json.loads((DASHBOARDS / "grafana-narwhal.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    model = variables["model"]
+    assert model["definition"].startswith("label_values(narwhal_requests_total")
+    assert model["definition"].endswith(", model)")
+    # All must take the requests refused before their model was known (model="").
+    assert model["includeAll"] and model["allValue"] == ".*"
+    assert "$model" in variables["engine"]["definition"]
+    filtered = 0
+    for expr in expressions(dashboard["panels"]):
+        for name, _ in selectors(expr):
+            if name in REQUEST_SERIES:
+                assert "model" in exported[name], name
+        for selector in re.findall(r"(\w+)\{([^}]*)\}", expr):
+            if selector[0] in REQUEST_SERIES:
+                assert 'model=~"$model"' in selector[1], expr
+                filtered += 1
+    assert filtered >= len(REQUEST_SERIES)
 
 
 def test_the_alert_rules_name_only_exported_metrics(exported: Exported) -> None:
