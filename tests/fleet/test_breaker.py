@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from narwhal.config.engine_spec import EngineSpec, Role
 from narwhal.fleet.breaker import COUNTED, Breaker, counts, may_eject
+from narwhal.fleet.models import Catalog, Target
 from narwhal.fleet.table import EngineEvent, Fleet
 from narwhal.protocol.errors import Cause, NarwhalError, client_error, engine_error
 
@@ -178,3 +179,53 @@ def test_an_engine_serving_both_phases_is_capped_by_either() -> None:
     assert breaker.failure(fault(Cause.SILENCE, engine="b0"))
     assert not breaker.failure(fault(Cause.SILENCE, engine="b1"))
     assert engines.by_id["b1"].spared
+
+
+# The cap per pool: engines of one base model are counted together ---------------------
+
+
+def two_pools() -> Fleet:
+    """Two decode engines in each of two pools, and a producer in each."""
+    return Fleet(
+        [
+            EngineSpec("pa", "http://127.0.0.1:1", Role.PREFILL, model="a"),
+            EngineSpec("da0", "http://127.0.0.1:2", Role.DECODE, model="a"),
+            EngineSpec("da1", "http://127.0.0.1:3", Role.DECODE, model="a"),
+            EngineSpec("pb", "http://127.0.0.1:4", Role.PREFILL, model="b"),
+            EngineSpec("db0", "http://127.0.0.1:5", Role.DECODE, model="b"),
+            EngineSpec("db1", "http://127.0.0.1:6", Role.DECODE, model="b"),
+        ],
+        catalog=Catalog("a", {"b": Target("b")}),
+    )
+
+
+def test_the_cap_holds_within_each_pool() -> None:
+    engines = two_pools()
+    events: list[EngineEvent] = []
+    engines.listeners.append(events.append)
+    breaker = Breaker(engines, eject_after=1, max_ejected_fraction=0.5)
+    # One of pool a's two consumers may go; then the other is the last of its pool, though
+    # pool b's two are still admitted (over the fleet: one of four ejected).
+    assert breaker.failure(fault(Cause.SILENCE, engine="da0"))
+    assert not breaker.failure(fault(Cause.SILENCE, engine="da1"))
+    assert engines.by_id["da1"].spared
+    assert "too few decode engines of model `a` (recovery" in events[-1].detail
+
+
+def test_an_ejection_in_one_pool_changes_nothing_for_another() -> None:
+    engines = two_pools()
+    breaker = Breaker(engines, eject_after=1, max_ejected_fraction=0.5)
+    assert breaker.failure(fault(Cause.SILENCE, engine="da0"))
+    assert breaker.failure(fault(Cause.CONNECT, engine="da1"))  # refusing: ejected anyway
+    # Over the whole fleet two of four consumers are out, the cap; in pool b none is.
+    assert breaker.failure(fault(Cause.SILENCE, engine="db0"))
+    assert not breaker.failure(fault(Cause.SILENCE, engine="db1"))
+    assert not engines.by_id["db1"].ejected
+
+
+def test_a_pools_last_producer_is_spared_whatever_other_pools_hold() -> None:
+    engines = two_pools()
+    breaker = Breaker(engines, eject_after=1, max_ejected_fraction=0.5)
+    # Fleet-wide there are two producers; pool a has one.
+    assert not breaker.failure(fault(Cause.HTTP_STATUS, engine="pa", status=500))
+    assert engines.by_id["pa"].spared and not engines.by_id["pa"].ejected

@@ -22,7 +22,9 @@ A success on a leg resets that engine's streak: a completed prefill whose descri
 passed validation for the producer, a stream that reached [DONE] for the consumer.
 
 When a streak reaches `eject_after`, the engine is ejected unless that would leave too
-little of a phase it serves (Envoy's `max_ejection_percent`):
+little of a phase it serves (Envoy's `max_ejection_percent`). The phase's engines are
+counted within the engine's pool (its base model): the cap holds per phase and per model,
+and an engine ejected in one pool changes nothing for another.
 
 | the engine...                                           | ejected?               |
 |---------------------------------------------------------|------------------------|
@@ -113,7 +115,8 @@ class Breaker:
                     Event.SPARE,
                     self.fleet.emit,
                     f"{engine.streak} consecutive failures, but ejecting it would leave "
-                    f"too few {phase} engines (recovery.max_ejected_fraction "
+                    f"too few {phase} engines{self._of_pool(engine)} "
+                    f"(recovery.max_ejected_fraction "
                     f"{self.max_ejected_fraction:g}); last: {error.cause.value}",
                 )
             return False
@@ -126,15 +129,24 @@ class Breaker:
         return True
 
     def _would_empty(self, engine: Engine) -> Phase | None:
-        """The first phase the engine serves that its ejection would take past the cap."""
+        """The first phase the engine serves that its ejection would take past the cap,
+        counted within its own pool (the engines of its base model)."""
         for phase in Phase:
             if not engine.serves(phase):
                 continue
-            members = [e for e in self.fleet.engines if e.serves(phase) and not e.draining]
+            members = [
+                e
+                for e in self.fleet.engines
+                if e.model == engine.model and e.serves(phase) and not e.draining
+            ]
             ejected = sum(e.ejected for e in members)
             if not may_eject(len(members), ejected, self.max_ejected_fraction):
                 return phase
         return None
+
+    def _of_pool(self, engine: Engine) -> str:
+        """` of model X` where the fleet has several pools; nothing for one."""
+        return f" of model `{engine.model}`" if self.fleet.catalog.several else ""
 
     def success(self, engine_id: str) -> None:
         """A leg on this engine succeeded: its streak resets, and it accepts connections."""
