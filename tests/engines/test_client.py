@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from narwhal.engines.client import EngineClient
+from narwhal.engines.client import EngineClient, LegBounds
 from narwhal.engines.connector import PrefillResult
-from narwhal.protocol.errors import NarwhalError
+from narwhal.engines.decode_stream import stream_payloads
+from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.tools.sim.faults import Fault
 from narwhal.tools.sim.fleet import SimFleet
 from support.stack import COMPLETION, FAST, direct_text
@@ -134,3 +135,64 @@ async def test_a_whole_decodes_error_answer_keeps_its_status(
             await client.send_whole(consumer.url, ROUTE, COMPLETION, result, None)
     assert info.value.status == routed
     assert info.value.transient is (status != 400)
+
+
+# Leg bounds passed per call (a model's own), else the client's --------------------------
+
+# A call's own bounds, short; the client's own are far past any fault below.
+SHORT = LegBounds(prefill_timeout_s=0.3, first_token_timeout_s=0.3, decode_read_timeout_s=0.3)
+STREAM = {**COMPLETION, "stream": True}
+
+
+def long_client() -> EngineClient:
+    return EngineClient(
+        prefill_timeout_s=60.0, first_token_timeout_s=60.0, decode_read_timeout_s=60.0
+    )
+
+
+async def test_a_calls_own_first_token_bound_holds_and_is_the_one_its_error_names(
+    fleet: SimFleet,
+) -> None:
+    producer, consumer = fleet.engines
+    consumer.set_fault(Fault.from_json({"phase": "decode", "first_token_delay_s": 1.5}))
+    async with long_client() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            await client.open_decode(consumer.url, ROUTE, STREAM, result, bounds=SHORT)
+        assert info.value.cause is Cause.FIRST_TOKEN_TIMEOUT
+        assert info.value.message.endswith("within the first-token timeout (0.3 s)")
+        assert client.open_legs == 0
+        # Without bounds of its own, a call takes the client's: the same delay passes.
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        async with await client.open_decode(consumer.url, ROUTE, STREAM, result) as stream:
+            async for _ in stream_payloads(stream):
+                pass
+
+
+async def test_a_calls_own_prefill_bound_holds_and_is_the_one_its_error_names(
+    fleet: SimFleet,
+) -> None:
+    producer, _ = fleet.engines
+    producer.set_fault(Fault.from_json({"phase": "prefill", "hang_s": 1.5, "times": 1}))
+    async with long_client() as client:
+        with pytest.raises(NarwhalError) as info:
+            await client.prefill(producer.url, ROUTE, COMPLETION, bounds=SHORT)
+        assert client.open_legs == 0
+    assert info.value.cause is Cause.PREFILL_TIMEOUT
+    assert info.value.message.endswith("did not answer within 0.3 s")
+
+
+async def test_a_calls_own_read_bound_goes_with_its_stream(fleet: SimFleet) -> None:
+    producer, consumer = fleet.engines
+    fault = {"phase": "decode", "silence_after": 1, "silence_s": 1.5}
+    consumer.set_fault(Fault.from_json(fault))
+    bounds = dataclasses.replace(SHORT, first_token_timeout_s=60.0)
+    async with long_client() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            stream = await client.open_decode(consumer.url, ROUTE, STREAM, result, bounds=bounds)
+            async with stream:
+                async for _ in stream_payloads(stream):
+                    pass
+    assert info.value.cause is Cause.SILENCE
+    assert info.value.message.endswith("sent nothing for 0.3 s")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -54,6 +55,19 @@ MAX_HELD_BYTES = 1 << 20
 MAX_WHOLE_ANSWER_BYTES = 64 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class LegBounds:
+    """How long one request's legs may take: the client's own (from `[engine]`), or a
+    model's (`[[models]] engine`), made once at startup and passed with each leg."""
+
+    prefill_timeout_s: float
+    first_token_timeout_s: float
+    # 0: unbounded.
+    decode_read_timeout_s: float
+    # A decode asked for whole, passed to `send_whole` as its `timeout_s` (0: unbounded).
+    whole_answer_timeout_s: float = 0.0
+
+
 def new_request_id() -> str:
     """A fresh backend request id: one per attempt, shared by both of its legs."""
     return new_id()
@@ -73,9 +87,8 @@ class EngineClient:
         ca_bundle: str | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self.prefill_timeout_s = prefill_timeout_s
-        self.first_token_timeout_s = first_token_timeout_s
-        self.decode_read_timeout_s = decode_read_timeout_s
+        # The legs' bounds when a call passes none of its own.
+        self.bounds = LegBounds(prefill_timeout_s, first_token_timeout_s, decode_read_timeout_s)
         extra = {"Content-Type": "application/json", **(headers or {})}
         # For requests off the hot path, sent through `session`.
         self.headers = extra
@@ -154,21 +167,23 @@ class EngineClient:
         engine: str | None = None,
         kv_hosts: Iterable[str] = (),
         trace: bytes = b"",
+        bounds: LegBounds | None = None,
     ) -> PrefillResult:
         """Run the one-token prefill and capture the producer's descriptor.
 
         With `same_worker`, no blocks are requested: the decode that follows on the same
         engine finds the prompt in its prefix cache. `trace` is the leg's trace context, as
-        header lines.
+        header lines; `bounds`, its model's (None: the client's own).
         """
         name = engine or producer_url
+        timeout_s = (bounds or self.bounds).prefill_timeout_s
         request_id = request_id or new_request_id()
         started_at = asyncio.get_running_loop().time()
         data = prefill_body(body, crossed=not same_worker)
         self.open_legs += 1
         connection: Connection | None = None
         try:
-            async with clock().timeout(self.prefill_timeout_s):
+            async with clock().timeout(timeout_s):
                 connection = await self._post(producer_url, endpoint, data, request_id, trace)
                 if connection.status != 200:
                     raise await status_error(connection, name, "prefill")
@@ -184,7 +199,7 @@ class EngineClient:
         except TimeoutError:
             raise engine_error(
                 Cause.PREFILL_TIMEOUT,
-                f"prefill on engine {name} did not answer within {self.prefill_timeout_s:g} s",
+                f"prefill on engine {name} did not answer within {timeout_s:g} s",
                 name,
             ) from None
         finally:
@@ -218,6 +233,7 @@ class EngineClient:
         connector: str = NIXL_CONNECTOR,
         drop_usage: bool = False,
         delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
     ) -> DecodeStream:
         """Validate the handoff, send the decode and wait for its first generated token.
 
@@ -235,6 +251,7 @@ class EngineClient:
             engine=engine,
             drop_usage=drop_usage,
             delivery=delivery,
+            bounds=bounds,
         )
 
     async def send_decode(
@@ -249,13 +266,16 @@ class EngineClient:
         drop_usage: bool = False,
         trace: bytes = b"",
         delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
     ) -> DecodeStream:
         """`open_decode` after the handoff check: `descriptor` is what `handoff_descriptor` gave.
 
         `trace` is the leg's trace context, as header lines; `delivery` learns whether the
-        descriptor reached the consumer, on every path.
+        descriptor reached the consumer, on every path; `bounds` are its model's (None: the
+        client's own).
         """
         name = engine or consumer_url
+        bounds = bounds or self.bounds
         data = decode_body(body, descriptor)
         self.open_legs += 1
         connection: Connection | None = None
@@ -263,7 +283,7 @@ class EngineClient:
         held: list[SseEvent] = []
         held_bytes = 0
         try:
-            async with clock().timeout(self.first_token_timeout_s):
+            async with clock().timeout(bounds.first_token_timeout_s):
                 connection = await self._post(
                     consumer_url,
                     endpoint,
@@ -296,7 +316,7 @@ class EngineClient:
                                 return DecodeStream(
                                     connection,
                                     name,
-                                    self.decode_read_timeout_s,
+                                    bounds.decode_read_timeout_s,
                                     decoder,
                                     first=held,
                                     drop_usage=drop_usage,
@@ -334,7 +354,7 @@ class EngineClient:
             raise engine_error(
                 Cause.FIRST_TOKEN_TIMEOUT,
                 f"engine {name} produced no token within the first-token timeout "
-                f"({self.first_token_timeout_s:g} s)",
+                f"({bounds.first_token_timeout_s:g} s)",
                 name,
             ) from None
         except BaseException:
