@@ -192,3 +192,57 @@ async def test_a_same_worker_handoff_pins_nothing(make_stack: StackFactory) -> N
         assert line["abandoned_handoffs"]["count"] == 0
         state = await settled(stack)
         assert state["engines"][0]["abandoned"]["handoffs"] == 0
+
+
+# Two pools: pool b's engines first in the file, pool narwhal-sim's with two consumers.
+TWO_POOLS = (
+    ("pb", "prefill"),
+    ("db", "decode"),
+    ("p0", "prefill"),
+    ("d0", "decode"),
+    ("d1", "decode"),
+)
+POOL_B = {"model": "model-b"}
+
+
+async def test_a_release_goes_to_a_consumer_of_the_producers_own_pool(
+    make_stack: StackFactory,
+) -> None:
+    async with make_stack(
+        TWO_POOLS,
+        sim_by_engine={"pb": POOL_B, "db": POOL_B},
+        engine_keys={"pb": POOL_B, "db": POOL_B},
+        models=[{"name": "model-b"}],
+    ) as stack:
+        router = stack.server.router
+        consumers = {Origin.of(stack.engine(name).url): name for name in ("d0", "d1")}
+        connecting = asyncio.Event()
+        never = asyncio.Event()
+        chosen: list[str] = []
+        pool = router.client._pool
+        assert isinstance(pool, ConnectionPool)
+        connect = pool._connect
+
+        async def slow_connect(origin: Origin) -> Any:
+            # The decode's connection to the consumer chosen never completes.
+            if origin in consumers and not chosen:
+                chosen.append(consumers[origin])
+                connecting.set()
+                await never.wait()
+            return await connect(origin)
+
+        pool._connect = slow_connect  # type: ignore[method-assign]
+        client = asyncio.create_task(stack.post("/v1/completions", LONG_PROMPT))
+        await asyncio.wait_for(connecting.wait(), 10)
+        # The chosen consumer is now known to refuse connections: the release needs another
+        # consumer, and pool b's comes first in the fleet.
+        router.fleet.by_id[chosen[0]].refusing = True
+        client.cancel()
+        entry = await abandoned_of(stack, "p0", 1, released=1)
+        assert entry["released"] == 1 and entry["pinned_blocks"] == 0
+        assert stack.engine("p0").held_block_count() == 0
+        (other,) = {"d0", "d1"} - set(chosen)
+        (release_request,) = stack.engine(other).received
+        assert release_request.body["model"] == "narwhal-release-abandoned-handoff"
+        assert not stack.engine("db").received and not stack.engine(chosen[0]).received
+        pool._connect = connect  # type: ignore[method-assign]

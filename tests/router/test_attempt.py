@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from narwhal.config.root import Config, parse_config
+from narwhal.engines.connector import PrefillResult
+from narwhal.fleet.models import Target
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
-from support.legs import WHOLE, FakeLegs, call, config, path, request
+from narwhal.router.abandoned import Abandonment
+from support.legs import MODEL, WHOLE, FakeLegs, Path, call, config, path, request
 
 ENGINES = [("p0", "prefill"), ("d0", "decode")]
 LEASE = {"engine": {"kv_lease_s": 60}}
@@ -138,3 +142,77 @@ async def test_a_whole_leg_that_failed_after_its_request_went_out_abandons_nothi
     assert raised.value.status == 504 and raised.value.transient
     # The consumer may have pulled: the descriptor is never counted as abandoned.
     assert record.abandoned == [] and stack.released == []
+
+
+# Two pools: releases within the handoff's pool -------------------------------------------
+
+
+def two_models(**b_engine: float) -> Config:
+    """Pool `a` (the default model) and pool `b` (with `b_engine`'s); pool b's engines
+    listed first."""
+    engines = [
+        ("pb", "prefill", "b"),
+        ("db", "decode", "b"),
+        ("pa", "prefill", MODEL),
+        ("da0", "decode", MODEL),
+        ("da1", "decode", MODEL),
+    ]
+    return parse_config(
+        {
+            "model": MODEL,
+            "engine": {
+                "kv_lease_s": 60,
+                "prefill_timeout_s": 40,
+                "first_token_timeout_s": 4,
+                "decode_read_timeout_s": 9,
+                "whole_answer_timeout_s": 70,
+            },
+            "models": [{"name": MODEL}, {"name": "b", "engine": b_engine}],
+            "engines": [
+                {"id": name, "url": f"http://127.0.0.1:{9 + i}", "role": role, "model": model}
+                for i, (name, role, model) in enumerate(engines)
+            ],
+        }
+    )
+
+
+def release_targets(stack: Path) -> list[str]:
+    """The consumers the attempt asks to release handoffs, by url, in order."""
+    starts: list[str] = []
+
+    def start(consumer_url: str, result: PrefillResult, lost: Abandonment) -> None:
+        starts.append(consumer_url)
+
+    stack.attempt.releases.start = start  # type: ignore[method-assign]
+    return starts
+
+
+async def test_an_abandoned_handoff_is_released_through_a_consumer_of_its_own_pool() -> None:
+    legs = FakeLegs()
+    stack = path(two_models(), legs)
+    starts = release_targets(stack)
+    async with await stack.fleet.reserve(frozenset(), None, Target(MODEL)) as reservation:
+        chosen = reservation.consumer
+        assert chosen.model == MODEL
+        # The chosen consumer refuses connections: the release needs another one.
+        chosen.refusing = True
+        legs.faults[chosen.id] = [engine_error(Cause.CONNECT, "refused", chosen.id)]
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run(call(), request(), reservation)
+    other = next(e for e in stack.fleet.engines if e.id in ("da0", "da1") and e is not chosen)
+    # Pool b's consumer comes first in the fleet, but it could not free pa's blocks.
+    assert starts == [other.url]
+
+
+async def test_with_no_other_consumer_in_its_pool_a_handoff_waits_for_its_lease() -> None:
+    legs = FakeLegs(faults={"db": [engine_error(Cause.CONNECT, "refused", "db")]})
+    stack = path(two_models(), legs)
+    starts = release_targets(stack)
+    stack.fleet.by_id["db"].refusing = True
+    record = call()
+    async with await stack.fleet.reserve(frozenset(), None, Target("b")) as reservation:
+        assert reservation.consumer.id == "db"
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run(record, request(), reservation)
+    assert [lost.producer for lost in record.abandoned] == ["pb"]
+    assert starts == []

@@ -21,6 +21,7 @@ from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
 from narwhal.fleet.breaker import Breaker
+from narwhal.fleet.models import Catalog
 from narwhal.fleet.table import Fleet
 from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import NarwhalError
@@ -192,7 +193,7 @@ class Path:
 
 
 def path(settings: Config, legs: FakeLegs) -> Path:
-    fleet = Fleet(settings.engines)
+    fleet = Fleet(settings.engines, catalog=Catalog.from_config(settings))
     recovery = settings.recovery
     breaker = Breaker(fleet, recovery.eject_after, recovery.max_ejected_fraction)
     serving, continuation = settings.serving, settings.continuation

@@ -4,7 +4,7 @@ An attempt ends at the decode's first token, with the stream handed to the relay
 a decode asked for whole, at the consumer's whole answer), or with the error that ended
 it. Each attempt has fresh engine request ids and its own handoff; a descriptor that never
 reached a consumer is recorded as abandoned (its producer holds the blocks) and, when the
-operator asks, released through another consumer.
+operator asks, released through a consumer of the same pool.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from narwhal.engines.client import new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.whole_answer import WholeAnswer
-from narwhal.fleet.table import Fleet, Phase, Reservation
+from narwhal.fleet.table import Engine, Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.abandoned import AbandonedHandoffs, abandonment
@@ -301,7 +301,11 @@ class Attempt:
     def _abandon(self, call: Call, result: PrefillResult, reservation: Reservation) -> None:
         """A descriptor dropped before reaching a consumer: nobody will pull its blocks,
         which its producer holds until the KV lease ends (a null descriptor holds none),
-        unless a consumer releases them (`engine.release_abandoned`)."""
+        unless a consumer releases them (`engine.release_abandoned`).
+
+        The release goes to a consumer of the handoff's pool: the one chosen, else another
+        admitted there. A consumer of another base model could not pair with the producer
+        (its connector refuses a transfer across models), so it could not free the blocks."""
         now = asyncio.get_running_loop().time()
         lost = abandonment(
             result.producer, result.descriptor, result.started_at, now, self.kv_lease_s
@@ -312,7 +316,18 @@ class Attempt:
         call.abandoned.append(lost)
         if not self.release_abandoned or lost.pinned_s <= 0:
             return
-        consumers = [reservation.consumer, *self.fleet.admitted(Phase.DECODE)]
+        consumers = [
+            reservation.consumer,
+            *self.fleet.admitted(Phase.DECODE, now, self._pool(reservation)),
+        ]
         consumer = next((c for c in consumers if not c.refusing), None)
         if consumer is not None:
             self.releases.start(consumer.url, result, lost)
+
+    def _pool(self, reservation: Reservation) -> list[Engine] | None:
+        """The engines of the reservation's pool (its target's base model, else its
+        producer's); None (the whole fleet) with one pool."""
+        if not self.fleet.catalog.several:
+            return None
+        target = reservation.target
+        return self.fleet.pool(reservation.producer.model if target is None else target.base)
