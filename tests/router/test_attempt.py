@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from narwhal.config.root import Config, parse_config
+from narwhal.engines.client import LegBounds
 from narwhal.engines.connector import PrefillResult
 from narwhal.fleet.models import Target
 from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.router.abandoned import Abandonment
+from narwhal.router.attempt import model_bounds
 from support.legs import MODEL, WHOLE, FakeLegs, Path, call, config, path, request
 
 ENGINES = [("p0", "prefill"), ("d0", "decode")]
@@ -144,12 +146,12 @@ async def test_a_whole_leg_that_failed_after_its_request_went_out_abandons_nothi
     assert record.abandoned == [] and stack.released == []
 
 
-# Two pools: releases within the handoff's pool -------------------------------------------
+# Two pools: each model's own leg bounds, and releases within the handoff's pool -----------
 
 
 def two_models(**b_engine: float) -> Config:
-    """Pool `a` (the default model) and pool `b` (with `b_engine`'s); pool b's engines
-    listed first."""
+    """Pool `a` (the default model, no overrides) and pool `b` (with `b_engine`'s); pool
+    b's engines listed first."""
     engines = [
         ("pb", "prefill", "b"),
         ("db", "decode", "b"),
@@ -185,6 +187,23 @@ def release_targets(stack: Path) -> list[str]:
 
     stack.attempt.releases.start = start  # type: ignore[method-assign]
     return starts
+
+
+async def test_a_models_own_bounds_go_with_its_legs_and_others_take_the_clients() -> None:
+    legs = FakeLegs()
+    stack = path(two_models(first_token_timeout_s=0.5, whole_answer_timeout_s=3), legs)
+    b_bounds = LegBounds(40, 0.5, 9, 3)
+    assert model_bounds(stack.config) == {"b": b_bounds}
+    for target in (Target("b"), Target(MODEL), Target("b")):
+        async with await stack.fleet.reserve(frozenset(), None, target) as reservation:
+            await stack.attempt.run(call(), request(), reservation)
+        async with await stack.fleet.reserve(frozenset(), None, target) as reservation:
+            await stack.attempt.run_whole(call(), request(), reservation)
+    b, a = [("prefill", b_bounds), ("decode", b_bounds)], [("prefill", None), ("decode", None)]
+    assert legs.bounds == [*b, b[0], *a, a[0], *b, b[0]]
+    assert legs.whole_timeouts == [3.0, 70.0, 3.0]
+    # One bounds object per model, made at startup: no request makes its own.
+    assert legs.bounds[0][1] is legs.bounds[-1][1]
 
 
 async def test_an_abandoned_handoff_is_released_through_a_consumer_of_its_own_pool() -> None:

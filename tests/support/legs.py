@@ -16,7 +16,7 @@ from typing import Any, cast
 import orjson
 
 from narwhal.config.root import Config, parse_config
-from narwhal.engines.client import EngineClient
+from narwhal.engines.client import EngineClient, LegBounds
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
@@ -70,6 +70,8 @@ class FakeLegs:
     # What a whole decode answers, and the timeout each was sent with.
     whole: bytes = WHOLE
     whole_timeouts: list[float] = field(default_factory=list)
+    # The bounds each prefill and streamed decode was sent with (None: the client's own).
+    bounds: list[tuple[str, LegBounds | None]] = field(default_factory=list)
     # A whole decode's fault strikes once its request (and descriptor) went out.
     whole_faults_after_send: bool = False
 
@@ -89,9 +91,11 @@ class FakeLegs:
         engine: str | None = None,
         kv_hosts: Iterable[str] = (),
         trace: bytes = b"",
+        bounds: LegBounds | None = None,
     ) -> PrefillResult:
         name = engine or producer_url
         self.legs.append(("prefill", name))
+        self.bounds.append(("prefill", bounds))
         self._fault(name)
         started = asyncio.get_running_loop().time() - self.age_s
         descriptor = None if same_worker else self.descriptor
@@ -116,9 +120,11 @@ class FakeLegs:
         drop_usage: bool = False,
         trace: bytes = b"",
         delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
     ) -> DecodeStream:
         name = engine or consumer_url
         self.legs.append(("decode", name))
+        self.bounds.append(("decode", bounds))
         self._fault(name)
         if delivery is not None:
             delivery.written = True

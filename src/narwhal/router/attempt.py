@@ -5,6 +5,10 @@ a decode asked for whole, at the consumer's whole answer), or with the error tha
 it. Each attempt has fresh engine request ids and its own handoff; a descriptor that never
 reached a consumer is recorded as abandoned (its producer holds the blocks) and, when the
 operator asks, released through a consumer of the same pool.
+
+A request's legs are bounded by its pool's own timeouts where its base model's
+`[[models]]` entry sets some (`engine` there), else by `[engine]`'s: the bounds are made
+once, here, at startup, and a model without overrides passes none (the client's own).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from narwhal.config.root import Config
-from narwhal.engines.client import new_request_id
+from narwhal.engines.client import LegBounds, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.whole_answer import WholeAnswer
@@ -47,6 +51,7 @@ class Legs(Protocol):
         engine: str | None = None,
         kv_hosts: Iterable[str] = (),
         trace: bytes = b"",
+        bounds: LegBounds | None = None,
     ) -> PrefillResult: ...
 
     async def handoff_descriptor(
@@ -65,6 +70,7 @@ class Legs(Protocol):
         drop_usage: bool = False,
         trace: bytes = b"",
         delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
     ) -> DecodeStream: ...
 
     async def send_whole(
@@ -94,7 +100,26 @@ class Decode(Protocol[Leg_co]):
         result: PrefillResult,
         descriptor: bytes | None,
         delivery: Delivery,
+        bounds: LegBounds | None,
     ) -> Leg_co: ...
+
+
+def model_bounds(config: Config) -> dict[str, LegBounds]:
+    """Each base model's leg bounds, for the models whose `[[models]]` entry overrides
+    some of `[engine]`'s; the others are absent (they take the client's own)."""
+    engine = config.engine
+    bounds: dict[str, LegBounds] = {}
+    for model in config.models:
+        if not model.engine:
+            continue
+        own = model.engine
+        bounds[model.name] = LegBounds(
+            prefill_timeout_s=own.get("prefill_timeout_s", engine.prefill_timeout_s),
+            first_token_timeout_s=own.get("first_token_timeout_s", engine.first_token_timeout_s),
+            decode_read_timeout_s=own.get("decode_read_timeout_s", engine.decode_read_timeout_s),
+            whole_answer_timeout_s=own.get("whole_answer_timeout_s", engine.whole_answer_timeout_s),
+        )
+    return bounds
 
 
 class Attempt:
@@ -118,6 +143,7 @@ class Attempt:
         self.kv_lease_s = config.engine.kv_lease_s
         self.release_abandoned = config.engine.release_abandoned
         self.whole_answer_timeout_s = config.engine.whole_answer_timeout_s
+        self.bounds = model_bounds(config)
 
     async def run(
         self,
@@ -156,6 +182,8 @@ class Attempt:
         decode: Decode[Leg],
     ) -> Leg:
         producer, consumer = reservation.producer, reservation.consumer
+        target = reservation.target
+        bounds = self.bounds.get(target.base) if self.bounds and target is not None else None
         call.attempts += 1
         call.producer = None if reservation.fallback else producer.id
         call.consumer = consumer.id
@@ -180,6 +208,7 @@ class Attempt:
                 engine=producer.id,
                 kv_hosts=producer.spec.kv_hosts,
                 trace=call.leg_headers(),
+                bounds=bounds,
             )
             reservation.release_prefill()
             if not rescue:
@@ -188,7 +217,7 @@ class Attempt:
         delivery = Delivery()
         try:
             return await self._hand_over(
-                call, request, reservation, result, delivery, rescue, decode
+                call, request, reservation, result, delivery, rescue, decode, bounds
             )
         except BaseException:
             if not delivery.delivered:
@@ -204,6 +233,7 @@ class Attempt:
         delivery: Delivery,
         rescue: bool,
         decode: Decode[Leg],
+        bounds: LegBounds | None,
     ) -> Leg:
         """From the prefill's answer to the decode's first token (or whole answer);
         `delivery` says whether the descriptor reached the consumer, whatever happens."""
@@ -219,7 +249,7 @@ class Attempt:
             descriptor = await self.client.handoff_descriptor(consumer.url, endpoint, result)
             call.enter(Stage.DECODE)
             leg = await decode(
-                call, request, consumer.url, consumer.id, result, descriptor, delivery
+                call, request, consumer.url, consumer.id, result, descriptor, delivery, bounds
             )
         except NarwhalError as error:
             # The descriptor passed validation unless the producer is the one blamed.
@@ -244,6 +274,7 @@ class Attempt:
         result: PrefillResult,
         descriptor: bytes | None,
         delivery: Delivery,
+        bounds: LegBounds | None,
     ) -> DecodeStream:
         return await self.client.send_decode(
             url,
@@ -256,6 +287,7 @@ class Attempt:
             drop_usage=not request.include_usage,
             trace=call.leg_headers(),
             delivery=delivery,
+            bounds=bounds,
         )
 
     async def _whole(
@@ -267,7 +299,9 @@ class Attempt:
         result: PrefillResult,
         descriptor: bytes | None,
         delivery: Delivery,
+        bounds: LegBounds | None,
     ) -> WholeAnswer:
+        timeout_s = self.whole_answer_timeout_s if bounds is None else bounds.whole_answer_timeout_s
         return await self.client.send_whole(
             url,
             request.endpoint,
@@ -275,7 +309,7 @@ class Attempt:
             result,
             descriptor,
             engine=engine,
-            timeout_s=self.whole_answer_timeout_s,
+            timeout_s=timeout_s,
             trace=call.leg_headers(),
             delivery=delivery,
         )
