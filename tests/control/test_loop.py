@@ -14,6 +14,7 @@ from narwhal.control.controller import TOWARD_PREFILL, Observation, PhaseLoad
 from narwhal.control.loop import ControlLoop, split
 from narwhal.control.phase_latency import PhaseLatency, Sample
 from narwhal.engines.scrape import EngineReport
+from narwhal.fleet.models import Catalog, Target
 from narwhal.fleet.operations import FleetOperations, OperationError
 from narwhal.fleet.table import EngineEvent, Fleet, Phase
 from narwhal.protocol.bodies import Endpoint
@@ -225,3 +226,64 @@ def test_the_engines_mean_queue_time_since_the_last_observation() -> None:
     assert second.decode.queue_time_s is None  # nobody left the consumer's queue
     producer.report = EngineReport(queue_time_sum=2.0, queue_time_count=1.0)  # restarted
     assert rig.loop.observe(110.0).prefill.queue_time_s == 2.0
+
+
+# Several pools: each decided on its own engines, latencies and objectives ----------------
+
+POOLS = (
+    EngineSpec("a1", "http://10.0.1.1:1", Role.BOTH, start_as=Role.PREFILL, model="a"),
+    EngineSpec("a2", "http://10.0.1.2:1", Role.BOTH, start_as=Role.DECODE, model="a"),
+    EngineSpec("a3", "http://10.0.1.3:1", Role.BOTH, start_as=Role.DECODE, model="a"),
+    EngineSpec("b1", "http://10.0.2.1:1", Role.BOTH, start_as=Role.PREFILL, model="b"),
+    EngineSpec("b2", "http://10.0.2.2:1", Role.BOTH, start_as=Role.DECODE, model="b"),
+    EngineSpec("b3", "http://10.0.2.3:1", Role.BOTH, start_as=Role.DECODE, model="b"),
+)
+
+
+def pooled(model_slo: dict[str, SloConfig] | None = None) -> tuple[ControlLoop, PhaseLatency]:
+    fleet = Fleet(POOLS, catalog=Catalog("a", {"b": Target("b")}))
+    latency = PhaseLatency()
+    ops = FleetOperations(fleet, Config("a", POOLS), None)
+    return ControlLoop(fleet, ops, CONFIG, SLO, latency, model_slo=model_slo), latency
+
+
+def slow_prefills(latency: PhaseLatency, model: str, prefill_s: float) -> None:
+    now = time.perf_counter()
+    for i in range(10):
+        latency.record(Sample(now - 2.0, now - 1.0 + i / 100, prefill_s, 0.01, 0.001, model))
+
+
+def pool_roles(loop: ControlLoop, model: str) -> list[str]:
+    return [e.role.value for e in loop.fleet.pool(model)]
+
+
+def test_each_pool_is_decided_on_its_own_requests_and_moves_only_its_engines() -> None:
+    loop, latency = pooled()
+    slow_prefills(latency, "a", 4.0)  # pool a's prefills are four times their objective
+    slow_prefills(latency, "b", 0.1)  # pool b's are well within theirs
+    decision = loop.step(100.0)
+    assert decision.move is not None and decision.move.engine in ("a2", "a3")
+    assert decision.detail.startswith("model `a`: prefill pressure 4.00")
+    assert sorted(pool_roles(loop, "a")) == ["decode", "prefill", "prefill"]
+    assert pool_roles(loop, "b") == ["prefill", "decode", "decode"]
+    # Pool b held on its own evidence; each pool keeps its own memory.
+    assert loop.last_by_model["b"].move is None
+    assert loop.last_by_model["b"].reason == "objectives"
+    assert loop.states["a"].last_move_at == 100.0 and "b" not in loop.states
+    summary = loop.summary()
+    assert summary["timeline"][0]["model"] == "a"
+    assert summary["pools"]["b"]["last_decision"]["reason"] == "objectives"
+    assert summary["pools"]["a"]["last_decision"]["move"]["to"] == "prefill"
+
+
+def test_a_pool_takes_its_models_own_objectives() -> None:
+    # The same slow prefills in both pools; model b's own TTFT objective is looser.
+    loop, latency = pooled({"b": SloConfig(ttft_s=10.0, tpot_s=0.05)})
+    slow_prefills(latency, "a", 4.0)
+    slow_prefills(latency, "b", 4.0)
+    loop.step(100.0)
+    assert sorted(pool_roles(loop, "a")) == ["decode", "prefill", "prefill"]
+    assert pool_roles(loop, "b") == ["prefill", "decode", "decode"]
+    held = loop.last_by_model["b"]
+    assert held.move is None and held.inputs["prefill_pressure"] == 0.4
+    assert loop.summary()["pools"]["b"]["slo"] == {"ttft_s": 10.0, "tpot_s": 0.05}

@@ -131,3 +131,22 @@ def test_requests_that_gave_up_waiting_count_in_the_phase_they_waited_on() -> No
     assert latency.open == 0
     # They leave the window as finished requests do.
     assert latency.window(70.0, 30.0, overdue_s=1.0).prefill.samples == 0
+
+
+def test_a_window_of_one_pool_counts_that_models_requests_alone() -> None:
+    latency = PhaseLatency()
+    latency.record(Sample(0.0, 5.0, 1.0, 0.2, 0.01, "a"))
+    latency.record(Sample(0.0, 5.0, 3.0, 0.4, 0.03, "b"))
+    waiting = call(arrival=0.0, stage=Stage.PREFILL)
+    waiting.model = "b"
+    latency.arrived(waiting)
+    unknown = call(request_id="r2", arrival=0.0, stage=Stage.PREFILL)
+    latency.arrived(unknown)  # its model not resolved yet: in no pool's window
+    a = latency.window(6.0, 10.0, overdue_s=2.0, model="a")
+    b = latency.window(6.0, 10.0, overdue_s=2.0, model="b")
+    whole = latency.window(6.0, 10.0, overdue_s=2.0)
+    assert (a.prefill.p90_s, a.prefill.samples, a.prefill.pending) == (1.0, 1, 0)
+    assert (a.tpot.p90_s, a.first_token_wait.p90_s) == (0.01, 0.2)
+    assert (b.prefill.p90_s, b.prefill.samples, b.prefill.pending) == (6.0, 2, 1)
+    assert (b.tpot.p90_s, b.first_token_wait.p90_s) == (0.03, 0.4)
+    assert (whole.prefill.samples, whole.prefill.pending, whole.tpot.samples) == (4, 2, 2)

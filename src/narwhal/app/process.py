@@ -156,7 +156,12 @@ class Router:
             first_token_hooks.append(latency.first_token)
             arrival_hooks.append(latency.arrived)
             self.controller = ControlLoop(
-                self.fleet, self.operations, config.controller, config.slo, latency
+                self.fleet,
+                self.operations,
+                config.controller,
+                config.slo,
+                latency,
+                model_slo={m.name: m.slo for m in config.models if m.slo is not None},
             )
         self.outcome = Outcome(
             self.fleet,

@@ -8,16 +8,22 @@ reason and inputs; the last decision, the split and a short timeline are in
 The observation is the latency window (requests still waiting past the TTFT objective
 included, see `phase_latency`), the router's seat queue and, from the engines' last
 `/metrics` readings, their queues and their mean queue time since the last observation.
+
+With several pools (base models) it decides for each pool on its own: the pool's engines,
+its requests' latencies, its seat queue, its own memory (cooldown) and its model's `[slo]`
+where `[[models]]` sets one, else the router-wide `[slo]`; a move only ever changes the
+phase of an engine of role `both` within its pool. With one pool nothing of that shows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from narwhal.config.controller import ControllerConfig, SloConfig
@@ -57,33 +63,53 @@ class ControlLoop:
         *,
         source: ObservationSource | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        model_slo: Mapping[str, SloConfig] | None = None,
     ) -> None:
+        """`model_slo`: the objectives of the models that set their own (`[[models]] slo`);
+        a `source` given replaces the observation of the whole fleet as one pool."""
         self.fleet = fleet
         self.operations = operations
         self.config = config
         self.slo = slo
         self.latency = latency
         self.source = source or self.observe
+        self._pooled = source is None
+        self.model_slo = dict(model_slo or {})
         # The clock of the latency samples (`time.perf_counter()`, as requests are timed).
         self.clock = clock
         self.state = ControlState()
         self.started = 0.0
         self.last: Decision | None = None
         self.last_at: float | None = None
+        # With several pools: each pool's memory and last decision.
+        self.states: dict[str, ControlState] = {}
+        self.last_by_model: dict[str, Decision] = {}
         self.moves: Counter[str] = Counter()
         self.advice: Counter[str] = Counter()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE)
         # Each engine's queue time sum and count at the last observation.
         self._queue_marks: dict[str, tuple[float, float]] = {}
 
-    def observe(self, now: float) -> Observation:
-        """The fleet's role table and each phase's load over the window."""
+    def several(self) -> bool:
+        """Whether it decides per pool: several base models, observed by the loop itself."""
+        return self._pooled and len(self.fleet.models()) > 1
+
+    def slo_of(self, model: str | None) -> SloConfig:
+        """A pool's objectives: its model's own, else the router-wide ones."""
+        return self.slo if model is None else self.model_slo.get(model, self.slo)
+
+    def observe(self, now: float, model: str | None = None) -> Observation:
+        """The role table and each phase's load over the window: of the whole fleet, or
+        of one pool (`model`)."""
         perf_now = self.clock()
-        moved = self.state.last_move_at
+        state = self.state if model is None else self.states.get(model, ControlState())
+        moved = state.last_move_at
         since = None if moved is None else perf_now - (now - moved)
-        window = self.latency.window(perf_now, self.config.window_s, since, self.slo.ttft_s)
-        engines = self.fleet.engines
-        queue_times = self._queue_times(engines)
+        window = self.latency.window(
+            perf_now, self.config.window_s, since, self.slo_of(model).ttft_s, model
+        )
+        engines = self.fleet.engines if model is None else self.fleet.pool(model)
+        queue_times = self._queue_times(engines, whole=model is None)
         wait = window.first_token_wait
         return Observation(
             now=now,
@@ -91,7 +117,7 @@ class ControlLoop:
             prefill=PhaseLoad(
                 window.prefill.p90_s,
                 window.prefill.samples,
-                queued=self.fleet.queued,
+                queued=self.fleet.queued if model is None else self.fleet.queued_in(model),
                 waiting=sum(e.reported_waiting for e in engines if e.serves(Phase.PREFILL)),
                 seats_in_use=sum(e.prefill_seats for e in engines),
                 pending=window.prefill.pending,
@@ -108,9 +134,12 @@ class ControlLoop:
             ),
         )
 
-    def _queue_times(self, engines: list[Engine]) -> dict[Phase, float | None]:
+    def _queue_times(
+        self, engines: list[Engine], *, whole: bool = True
+    ) -> dict[Phase, float | None]:
         """Each phase's mean engine queue time since the last observation (None: no
-        request left an engine's queue in between, or none reports it)."""
+        request left an engine's queue in between, or none reports it); `whole`: the
+        engines are the whole fleet (else one pool's, whose marks alone are renewed)."""
         sums = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
         counts = {Phase.PREFILL: 0.0, Phase.DECODE: 0.0}
         marks: dict[str, tuple[float, float]] = {}
@@ -129,7 +158,12 @@ class ControlLoop:
                 if engine.serves(phase):
                     sums[phase] += max(0.0, total - last_total)
                     counts[phase] += count - last_count
-        self._queue_marks = marks
+        if whole:
+            self._queue_marks = marks
+        else:
+            for engine in engines:
+                self._queue_marks.pop(engine.id, None)
+            self._queue_marks.update(marks)
         return {phase: sums[phase] / counts[phase] if counts[phase] else None for phase in sums}
 
     def _view(self, engine: Engine, now: float) -> EngineView:
@@ -145,15 +179,34 @@ class ControlLoop:
         )
 
     def step(self, now: float) -> Decision:
-        """Observe, decide, and apply (or only journal) the decision's moves."""
-        decision = decide(self.source(now), self.state, self.config, self.slo)
-        self.last, self.last_at = decision, now
+        """Observe, decide, and apply (or only journal) the decision's moves; with
+        several pools, one decision per pool (the one returned: the first that moved,
+        else the last pool's)."""
+        if not self.several():
+            decision = decide(self.source(now), self.state, self.config, self.slo)
+            self.last, self.last_at = decision, now
+            if self._done(decision, now, None):
+                self.state = after(decision, self.state, now)
+            return decision
+        chosen: Decision | None = None
+        for model in self.fleet.models():
+            state = self.states.get(model, ControlState())
+            decision = decide(self.observe(now, model), state, self.config, self.slo_of(model))
+            decision = dataclasses.replace(decision, detail=f"model `{model}`: {decision.detail}")
+            self.last_by_model[model] = decision
+            if self._done(decision, now, model):
+                self.states[model] = after(decision, state, now)
+                chosen = chosen or decision
+        self.last, self.last_at = chosen or decision, now
+        return self.last
+
+    def _done(self, decision: Decision, now: float, model: str | None) -> bool:
+        """Apply a decision's moves; whether any was applied (or advised)."""
         done = [move for move in decision.moves if self._apply(decision, move, now)]
         if not done:
-            return decision
+            return False
         # Advice counts as a move for the memory, so advisory mode decides as the real
         # controller would (the same cooldown, and no repeat on the same evidence).
-        self.state = after(decision, self.state, now)
         stamp = round(time.time(), 3)
         self.timeline.extend(
             {
@@ -163,10 +216,11 @@ class ControlLoop:
                 "to": move.new.value,
                 "reason": decision.reason,
                 "applied": not self.config.advisory,
+                **({} if model is None else {"model": model}),
             }
             for move in done
         )
-        return decision
+        return True
 
     def _apply(self, decision: Decision, move: Move, now: float) -> bool:
         """One move applied (or, in advisory mode, journaled); False when refused."""
@@ -211,30 +265,49 @@ class ControlLoop:
     def summary(self) -> dict[str, Any]:
         """The controller in `/narwhal/state`."""
         last = self.last
+        pools = (
+            {
+                "pools": {
+                    model: {
+                        "slo": _slo(self.slo_of(model)),
+                        "last_decision": _decision(self.last_by_model.get(model)),
+                    }
+                    for model in self.fleet.models()
+                }
+            }
+            if self.several()
+            else {}
+        )
         return {
             "enabled": self.config.enabled,
             "advisory": self.config.advisory,
             "interval_s": self.config.interval_s,
-            "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s},
+            "slo": _slo(self.slo),
             "split": split(self.fleet),
             "moves": dict(self.moves),
             "advice": dict(self.advice),
-            "last_decision": None
-            if last is None
-            else {
-                "move": None
-                if last.move is None
-                else {
-                    "engine": last.move.engine,
-                    "from": last.move.old.value,
-                    "to": last.move.new.value,
-                },
-                "reason": last.reason,
-                "detail": last.detail,
-                "inputs": last.inputs,
-            },
+            "last_decision": _decision(last),
             "timeline": list(self.timeline),
+            **pools,
         }
+
+
+def _slo(slo: SloConfig) -> dict[str, float]:
+    return {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
+
+
+def _decision(decision: Decision | None) -> dict[str, Any] | None:
+    if decision is None:
+        return None
+    move = decision.move
+    return {
+        "move": None
+        if move is None
+        else {"engine": move.engine, "from": move.old.value, "to": move.new.value},
+        "reason": decision.reason,
+        "detail": decision.detail,
+        "inputs": decision.inputs,
+    }
 
 
 def split(fleet: Fleet) -> dict[str, int]:

@@ -20,6 +20,8 @@ with its age so far (in the phase it waits in: before the descriptor, prefill's;
 the first-token wait), and each that ended without a first token after waiting that long:
 an expired handoff, a prefill timeout, a queue timeout, a deadline, a client that gave up.
 Under deep overload no request reaches its first token, and these are the evidence.
+
+Each sample keeps its request's pool (base model): `window` may look at one pool's alone.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Sample:
     first_token_wait_s: float | None
     # Time per output token after the first; None with a single output token.
     tpot_s: float | None
+    # Its pool (base model); None when it was not known.
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ def sample_of(call: Call, now: float, *, finished: bool = True) -> Sample | None
         prefill_s=call.ttft_s,
         first_token_wait_s=None if alone else first - call.ttft_s,
         tpot_s=None if tpot is None else max(0.0, tpot),
+        model=call.model,
     )
 
 
@@ -132,14 +137,19 @@ class PhaseLatency:
     requests still waiting for a first token."""
 
     def __init__(self, max_samples: int = MAX_SAMPLES) -> None:
-        # (arrival, first token at, prefill_s, first_token_wait_s)
-        self._firsts: deque[tuple[float, float, float, float | None]] = deque(maxlen=max_samples)
-        # (arrival, finished, tpot_s)
-        self._tpots: deque[tuple[float, float, float]] = deque(maxlen=max_samples)
+        # (arrival, first token at, prefill_s, first_token_wait_s, model)
+        self._firsts: deque[tuple[float, float, float, float | None, str | None]] = deque(
+            maxlen=max_samples
+        )
+        # (arrival, finished, tpot_s, model)
+        self._tpots: deque[tuple[float, float, float, str | None]] = deque(maxlen=max_samples)
         # Requests told of at their arrival that have no first token yet, by request id.
         self._open: dict[str, Call] = {}
-        # (arrival, ended, phase, waited_s) of requests that ended without a first token.
-        self._stalled: deque[tuple[float, float, str, float]] = deque(maxlen=max_samples)
+        # (arrival, ended, phase, waited_s, model) of requests that ended without a first
+        # token.
+        self._stalled: deque[tuple[float, float, str, float, str | None]] = deque(
+            maxlen=max_samples
+        )
 
     def arrived(self, call: Call) -> None:
         """A request arrived: until its first token (or its end) it is work waiting."""
@@ -151,7 +161,9 @@ class PhaseLatency:
         self._open.pop(call.request_id, None)
         sample = sample_of(call, now, finished=False)
         if sample is not None:
-            self._firsts.append((sample.arrival, now, sample.prefill_s, sample.first_token_wait_s))
+            self._firsts.append(
+                (sample.arrival, now, sample.prefill_s, sample.first_token_wait_s, call.model)
+            )
 
     def add(self, call: Call, now: float) -> None:
         """The request ended at `now`: its time per output token, if it succeeded; how
@@ -159,10 +171,10 @@ class PhaseLatency:
         if self._open.pop(call.request_id, None) is not None:
             stalled = stalled_of(call, now)
             if stalled is not None:
-                self._stalled.append((call.arrival, now, *stalled))
+                self._stalled.append((call.arrival, now, *stalled, call.model))
         sample = sample_of(call, now)
         if sample is not None and sample.tpot_s is not None:
-            self._tpots.append((sample.arrival, now, sample.tpot_s))
+            self._tpots.append((sample.arrival, now, sample.tpot_s, call.model))
 
     @property
     def open(self) -> int:
@@ -173,9 +185,11 @@ class PhaseLatency:
         """A finished request given directly (tests, other feeds): its first token came
         `prefill_s` and `first_token_wait_s` after its arrival."""
         first_at = sample.arrival + sample.prefill_s + (sample.first_token_wait_s or 0.0)
-        self._firsts.append((sample.arrival, first_at, sample.prefill_s, sample.first_token_wait_s))
+        self._firsts.append(
+            (sample.arrival, first_at, sample.prefill_s, sample.first_token_wait_s, sample.model)
+        )
         if sample.tpot_s is not None:
-            self._tpots.append((sample.arrival, sample.finished, sample.tpot_s))
+            self._tpots.append((sample.arrival, sample.finished, sample.tpot_s, sample.model))
 
     def window(
         self,
@@ -183,22 +197,32 @@ class PhaseLatency:
         window_s: float,
         arrived_since: float | None = None,
         overdue_s: float | None = None,
+        model: str | None = None,
     ) -> WindowLatency:
         """p90s over first tokens and ends in the last `window_s`, of requests that arrived
         at or after `arrived_since` (when given). With `overdue_s`, the TTFT parts also
         count requests waiting longer than that now, with their ages, and those that ended
-        in the window without a first token after waiting that long."""
+        in the window without a first token after waiting that long. With `model`, only
+        that pool's requests count (a request whose model is not known yet, none)."""
         since = now - window_s
         after = -math.inf if arrived_since is None else arrived_since
-        firsts = [f for f in self._firsts if f[1] >= since and f[0] >= after]
-        tpots = [t[2] for t in self._tpots if t[1] >= since and t[0] >= after]
+        if model is None:
+            firsts = [f for f in self._firsts if f[1] >= since and f[0] >= after]
+            tpots = [t[2] for t in self._tpots if t[1] >= since and t[0] >= after]
+        else:
+            firsts = [f for f in self._firsts if f[1] >= since and f[0] >= after and f[4] == model]
+            tpots = [t[2] for t in self._tpots if t[1] >= since and t[0] >= after and t[3] == model]
         waits: dict[str, list[float]] = {PREFILL: [], DECODE: []}
         if overdue_s is not None:
             for call in self._open.values():
+                if model is not None and call.model != model:
+                    continue
                 waiting = waiting_of(call, now) if call.arrival >= after else None
                 if waiting is not None and waiting[1] >= overdue_s:
                     waits[waiting[0]].append(waiting[1])
-            for arrival, ended, phase, waited in self._stalled:
+            for arrival, ended, phase, waited, of in self._stalled:
+                if model is not None and of != model:
+                    continue
                 if ended >= since and arrival >= after and waited >= overdue_s:
                     waits[phase].append(waited)
         return WindowLatency(

@@ -164,6 +164,14 @@ class Fleet:
     def queued(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
+    def queued_in(self, model: str) -> int:
+        """Requests waiting for a seat in one pool (with several pools)."""
+        return sum(
+            len(queue)
+            for key, queue in self._queues.items()
+            if key is not None and key.base == model
+        )
+
     def models(self) -> list[str]:
         """The pools: every base model an engine serves, in the engines' order."""
         return list(dict.fromkeys(e.model for e in self.engines))
