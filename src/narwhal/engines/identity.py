@@ -7,6 +7,13 @@ every descriptor carries `tp_size`, and a descriptor that passes the NIXL rules 
 by a NixlConnector. These two are checked against the probe's descriptor, not the engine's
 own answers. An engine may also name an `identity_url` returning a JSON object of contract
 fields; what it says wins over what was read elsewhere.
+
+What it serves is its `/v1/models` listing (`served_models`). vLLM 0.32 builds it in
+`vllm/entrypoints/openai/models/serving.py` (`show_available_models`) from the cards of
+`vllm/entrypoints/serve/engine/protocol.py` (`ModelCard`): one card per served model name
+(`--served-model-name`, else `--model`) with `parent` null, `root` the model's path and
+`max_model_len` set, then one card per LoRA adapter with `root` its path, `parent` its base
+model's name and no `max_model_len`. `created` is the time of the listing, not of a load.
 """
 
 from __future__ import annotations
@@ -30,12 +37,88 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 HANDOFF_FIELDS = frozenset({"tp_size", "connector"})
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """One `/v1/models` entry, the members the router uses (vLLM's `permission` is not
+    kept: a fresh id per listing, the same grants everywhere)."""
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    owned_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """What an engine's `/v1/models` says it serves: its base model (the first card with no
+    `parent`; None when it lists none), its other names for that model, its adapters in the
+    order listed, and every card by id."""
+
+    base: str | None
+    names: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
+    cards: dict[str, ModelCard] = field(default_factory=dict)
+
+    def serves(self, model: str) -> bool:
+        """Whether `model` is one of its base model's names."""
+        return model == self.base or model in self.names
+
+
+def served_models(listing: Any) -> ServedModels:
+    """The models an engine serves, from its `/v1/models` JSON (pure).
+
+    Raises `ValueError` when it is not a listing (no `data` list). Entries without a
+    string `id` are skipped; a member of the wrong type reads as absent. A card whose
+    `parent` is set is an adapter, whichever base it names.
+    """
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models answered no `data` list")
+    cards: dict[str, ModelCard] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        card = ModelCard(
+            entry["id"],
+            _text(entry.get("root")),
+            _text(entry.get("parent")),
+            _whole(entry.get("max_model_len")),
+            _text(entry.get("owned_by")),
+        )
+        cards.setdefault(card.id, card)
+    bases = [card.id for card in cards.values() if card.parent is None]
+    adapters = tuple(card.id for card in cards.values() if card.parent is not None)
+    return ServedModels(bases[0] if bases else None, tuple(bases[1:]), adapters, cards)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def read_served(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> ServedModels | None:
+    """One reading of the engine's `/v1/models` at `url`; None when it cannot be read."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return served_models(await _get_json(session, url + "/v1/models"))
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+
+
 @dataclass(slots=True)
 class Identity:
     """Contract fields as read from one engine; absent fields were not exposed."""
 
     fields: dict[str, Any] = field(default_factory=dict)
     models: list[str] = field(default_factory=list)
+    # Its `/v1/models` as read (None: it answered no listing).
+    served: ServedModels | None = None
     process_start_time: float | None = None
 
 
@@ -68,6 +151,7 @@ async def read_identity(
     data = models.get("data") if isinstance(models, dict) else None
     if isinstance(data, list):
         identity.models = [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+        identity.served = served_models(models)
     match = _START_TIME.search(metrics)
     if match is not None:
         with contextlib.suppress(ValueError):
