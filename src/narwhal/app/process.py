@@ -30,6 +30,7 @@ from narwhal.fleet.models import Catalog
 from narwhal.fleet.operations import FleetOperations
 from narwhal.fleet.readmission import Readmission
 from narwhal.fleet.seat_share import SeatShare
+from narwhal.fleet.served import ServedReader
 from narwhal.fleet.table import Fleet
 from narwhal.observe.events import EngineLines, log_call, log_engine_event
 from narwhal.observe.journal import Journal
@@ -193,7 +194,13 @@ class Router:
         self.kv_events.start(spawn)
         spawn(self.readmission.run(), "readmission")
         interval = self.config.engine.metrics_interval_s
+        # What each engine serves (its model, its adapters), before the first request.
+        served = ServedReader(
+            self.fleet, lambda: self.client.session, self.config.engine.health_timeout_s, interval
+        )
+        await served.read_all()
         if interval > 0:
+            spawn(served.run(), "served-models")
             reports = EngineReports(
                 self.fleet, self.client.session, interval, self.config.engine.health_timeout_s
             )

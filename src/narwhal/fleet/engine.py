@@ -10,6 +10,7 @@ from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from narwhal.config.engine_spec import EngineSpec, Role
+from narwhal.engines.identity import ModelCard
 from narwhal.engines.scrape import EngineReport
 from narwhal.fleet.lifecycle import EngineState, Lifecycle
 from narwhal.fleet.seat_share import WHOLE, SeatShare
@@ -80,6 +81,9 @@ class Engine:
     adapters: dict[str, None] = field(default_factory=dict)
     adapter_users: dict[str, int] = field(default_factory=dict)
     adapter_failed: dict[str, float] = field(default_factory=dict)
+    # Its last `/v1/models` listing, card by id (empty until read): what the router's own
+    # listing shows of its models.
+    cards: dict[str, ModelCard] = field(default_factory=dict)
     # Added at runtime: its lifecycle starts `new` (see `Fleet.add`).
     new: InitVar[bool] = False
     lifecycle: Lifecycle = field(init=False)

@@ -108,6 +108,10 @@ class Catalog:
             raise model_not_found(name, self._names)
         return target
 
+    def entries(self) -> dict[str, Target]:
+        """Every name a client may use now, and what it stands for."""
+        return dict(self._names)
+
     def learn(self, engines: Iterable[Member]) -> None:
         """Take in what the engines serve now (their models and adapters): names the
         configuration does not hold come and go with the engines that list them."""

@@ -49,10 +49,20 @@ def transfer_pairs(config: Config, mesh: bool) -> list[tuple[EngineSpec, EngineS
     By default a cover: every engine that may produce hands off to at least one engine
     that may consume, and every consumer receives from at least one producer. With
     `mesh`, every ordered pair of distinct engines. An engine pairs with itself only when
-    no other engine can take the other role.
+    no other engine can take the other role. KV moves only within one base model, so each
+    model's engines are paired among themselves.
     """
-    producers = [e for e in config.engines if e.role.can_prefill]
-    consumers = [e for e in config.engines if e.role.can_decode]
+    pools: dict[str, list[EngineSpec]] = {}
+    for spec in config.engines:
+        pools.setdefault(spec.model or config.model, []).append(spec)
+    return [pair for specs in pools.values() for pair in _pairs(specs, mesh)]
+
+
+def _pairs(specs: list[EngineSpec], mesh: bool) -> list[tuple[EngineSpec, EngineSpec]]:
+    producers = [e for e in specs if e.role.can_prefill]
+    consumers = [e for e in specs if e.role.can_decode]
+    if not producers or not consumers:
+        return []
 
     def partners(engine: EngineSpec, pool: list[EngineSpec]) -> list[EngineSpec]:
         return [p for p in pool if p.id != engine.id] or [p for p in pool if p.id == engine.id]
@@ -111,7 +121,11 @@ async def check_transfer(
     before = await read_report(client.session, consumer.url, timeout) if crossed else None
     try:
         transfer = await probe_transfer(
-            client, config.model, producer, consumer, config.engine.first_token_timeout_s
+            client,
+            producer.model or config.model,
+            producer,
+            consumer,
+            config.engine.first_token_timeout_s,
         )
     except NarwhalError as error:
         return Row("transfer", subject, False, error.message)

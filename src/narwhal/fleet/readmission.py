@@ -44,9 +44,11 @@ from narwhal.engines.identity import (
     contract_mismatches,
     handoff_mismatches,
     read_identity,
+    read_served,
 )
 from narwhal.engines.probe import probe_transfer
 from narwhal.fleet.lifecycle import Event
+from narwhal.fleet.served import learn
 from narwhal.fleet.table import Engine, EngineEvent, EngineState, Fleet, Phase
 from narwhal.protocol.errors import NarwhalError
 
@@ -160,6 +162,10 @@ class Readmission:
             return Verdict(FAILURE, f"/health failed: {exc}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             return Verdict(FAILURE, f"/health failed: {exc or 'timed out'}")
+        # What it serves now (a restarted engine may list other adapters, a new one its model).
+        served = await read_served(self.client.session, engine.url, timeouts.health_timeout_s)
+        if served is not None and learn(engine, served, dict(engine.adapters)):
+            self.fleet.models_changed()
         contract = self.config.engine_contract
         if contract is not None:
             try:
@@ -188,7 +194,7 @@ class Readmission:
         try:
             transfer = await probe_transfer(
                 self.client,
-                self.config.model,
+                engine.model,
                 producer.spec,
                 consumer.spec,
                 self.config.engine.first_token_timeout_s,
@@ -229,9 +235,10 @@ class Readmission:
 
     def _partners(self, phase: Phase, engine: Engine) -> list[Engine]:
         """Admitted engines serving `phase`, or, when there are none, the ejected ones."""
-        admitted = self.fleet.admitted(phase)
+        pool = self.fleet.pool(engine.model)
+        admitted = self.fleet.admitted(phase, among=pool)
         return admitted or [
-            e for e in self.fleet.engines if e.serves(phase) and e is not engine and not e.draining
+            e for e in pool if e.serves(phase) and e is not engine and not e.draining
         ]
 
     def _passed(self, engine: Engine) -> None:

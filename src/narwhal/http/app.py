@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from narwhal.config.secrets import Secrets, bearer_allowed
+from narwhal.fleet.served import listing
 from narwhal.http.admin import add_admin_routes
 from narwhal.http.aiohttp_reply import AiohttpReply
 from narwhal.http.page import add_page_routes
@@ -96,19 +97,8 @@ def build_app(
         return reply.response
 
     async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": config.model,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "narwhal",
-                    }
-                ],
-            }
-        )
+        body = listing(router.fleet, config.lora, created)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def health(request: web.Request) -> web.StreamResponse:
         if router.draining:
