@@ -55,6 +55,9 @@ class DiscoveryConfig:
     # The engine's port: the annotation `port_key`, else the container port named
     # `port_name`, else `port`.
     port_key: str = "narwhal/port"
+    # The base model the pod serves (annotation, else label); absent: read from its
+    # `/v1/models`.
+    model_key: str = "narwhal/model"
     port_name: str | None = None
     port: int = 8000
     scheme: Scheme = Scheme.HTTP
@@ -104,6 +107,7 @@ def parse_discovery(table: Table) -> DiscoveryConfig:
         prefill_seats_key=_key(table, "prefill_seats_key", d.prefill_seats_key),
         decode_seats_key=_key(table, "decode_seats_key", d.decode_seats_key),
         port_key=_key(table, "port_key", d.port_key),
+        model_key=_key(table, "model_key", d.model_key),
         port_name=table.string("port_name", "", pattern=_DNS_LABEL, wanted="a port name") or None,
         port=table.integer("port", d.port, 1, 65535),
         scheme=table.choice("scheme", Scheme, d.scheme),

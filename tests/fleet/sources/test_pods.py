@@ -29,6 +29,16 @@ def test_seat_limits_come_from_annotations() -> None:
     assert spec is not None and (spec.max_prefill_seats, spec.max_decode_seats) == (4, 16)
 
 
+def test_the_model_comes_from_an_annotation_or_a_label_else_none() -> None:
+    notes = {"narwhal/model": "meta-llama/Llama-3.1-8B-Instruct"}
+    spec = view(pod("d1", 8000, "decode", annotations=notes)).spec
+    assert spec is not None and spec.model == "meta-llama/Llama-3.1-8B-Instruct"
+    spec = view(pod("d2", 8000, "decode", labels={"narwhal/model": "qwen-7b"})).spec
+    assert spec is not None and spec.model == "qwen-7b"
+    spec = view(pod("d3", 8000, "decode")).spec
+    assert spec is not None and spec.model is None, "learnt from its /v1/models instead"
+
+
 def test_the_role_may_be_a_label() -> None:
     spec = view(pod("p0", 8000, None, labels={"narwhal/role": "prefill"})).spec
     assert spec is not None and spec.role is Role.PREFILL

@@ -100,7 +100,14 @@ def read_pod(pod: Mapping[str, Any], config: DiscoveryConfig) -> PodView:
         seats.append(default if text is None else int(text))
     host = f"[{ip}]" if ":" in ip else ip
     url = f"{config.scheme.value}://{host}:{port}"
-    spec = EngineSpec(name, url, role, max_prefill_seats=seats[0], max_decode_seats=seats[1])
+    spec = EngineSpec(
+        name,
+        url,
+        role,
+        max_prefill_seats=seats[0],
+        max_decode_seats=seats[1],
+        model=setting(config.model_key) or None,
+    )
     if meta.get("deletionTimestamp"):
         return PodView(name, spec, False, "terminating")
     phase = status.get("phase")
