@@ -24,8 +24,8 @@ async def test_every_loop_runs_in_the_background_and_stop_ends_them_all() -> Non
     router = Router(parse_config(CONFIG))
     await router.start()
     started = {task.get_name() for task in asyncio.all_tasks() - before}
-    assert {"background", "readmission", "engine-reports", "loop-lag"} <= started
-    assert router.background.running == 3
+    assert {"background", "readmission", "engine-reports", "served-models", "loop-lag"} <= started
+    assert router.background.running == 4
     await router.stop()
     assert asyncio.all_tasks() - before == set()
 
