@@ -64,6 +64,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 TINY_MODEL := .cache/tiny-model
 TINY_STAMP := $(TINY_MODEL)/.built
+# A second base model for tests/real/test_models.py: the same tokenizer and shapes, other
+# weights (another seed), so that its greedy answers differ. Its adapter is left untrained.
+TINY_MODEL_B := .cache/tiny-model-b
+TINY_STAMP_B := $(TINY_MODEL_B)/.built
 
 $(VLLM_STAMP):
 	python3 -m venv $(VLLM_VENV)
@@ -77,14 +81,18 @@ vllm-env: $(VLLM_STAMP)
 $(TINY_STAMP): $(VLLM_STAMP) tools/tiny_model.py
 	$(VLLM_VENV)/bin/python tools/tiny_model.py $(TINY_MODEL)
 
-tiny-model: $(TINY_STAMP)
+$(TINY_STAMP_B): $(VLLM_STAMP) tools/tiny_model.py
+	$(VLLM_VENV)/bin/python tools/tiny_model.py $(TINY_MODEL_B) --seed 1 --name narwhal-tiny-b --adapter-steps 0
+
+tiny-model: $(TINY_STAMP) $(TINY_STAMP_B)
 
 # Record real vLLM's answers to the simulator's fidelity cases (tests/data/vllm), anew.
 record-vllm: $(STAMP) $(TINY_STAMP)
 	PYTHONPATH=tests $(PY) -m support.fidelity
 
-# A prefill and a decode vLLM engine on the CPU behind a real router.
-real: $(STAMP) $(TINY_STAMP)
+# A prefill and a decode vLLM engine on the CPU behind a real router (and, for
+# tests/real/test_models.py, a pair of the second model beside them).
+real: $(STAMP) $(TINY_STAMP) $(TINY_STAMP_B)
 	$(PY) -m pytest tests/real
 
 # Stream continuation on real vLLM: a consumer killed mid-answer, continued on a second one.
