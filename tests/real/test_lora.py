@@ -13,7 +13,6 @@ third text, which is why the router must never cross them.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -179,12 +178,6 @@ async def test_runtime_loading_answers_as_vllm_0_32_does(lora_fleet: VllmFleet) 
     assert status == 404, "an unloaded adapter is an unknown model"
 
 
-# Not yet run against the router: enabled by NARWHAL_REAL_LORA_ROUTER=1 until the router's
-# request path serves adapters; then drop the variable.
-@pytest.mark.skipif(
-    os.environ.get("NARWHAL_REAL_LORA_ROUTER") != "1",
-    reason="the router's adapter support: set NARWHAL_REAL_LORA_ROUTER=1 once it is in",
-)
 async def test_the_adapters_answer_through_the_router_equals_one_engine_alone(
     lora_fleet: VllmFleet, real: RealStack
 ) -> None:
