@@ -92,8 +92,6 @@ def listing(fleet: Fleet, lora: LoraConfig, created: int) -> dict[str, Any]:
     bases = list(dict.fromkeys([*fleet.models(), *(t.base for t in names.values())]))
     cards: list[dict[str, Any]] = []
     for base in bases:
-        if not fleet.pool(base) and base not in names:
-            continue
         pool = fleet.pool(base)
         base_card = _card(base, pool, created, root=base, parent=None)
         cards.append(base_card)
