@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,14 @@ from narwhal.config.models import (
     parse_model,
 )
 from narwhal.config.placement import PlacementConfig, parse_placement
-from narwhal.config.table import MISSING, Problems, Table, show, withheld
+from narwhal.config.table import Problems, Table, env_name, show
+from narwhal.config.tenants import (
+    TenantConfig,
+    TenantsPolicy,
+    check_tenants,
+    parse_tenant,
+    parse_tenants_policy,
+)
 from narwhal.config.tracing import TracingConfig, parse_tracing
 from narwhal.config.workers import Workers, parse_replicas, parse_workers
 
@@ -169,6 +175,8 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     models: tuple[ModelConfig, ...] = ()
     lora: LoraConfig = field(default_factory=LoraConfig)
+    tenants: tuple[TenantConfig, ...] = ()
+    tenants_policy: TenantsPolicy = field(default_factory=TenantsPolicy)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -237,7 +245,6 @@ def parse_config(data: Mapping[str, object], source: str = "<config>") -> Config
 
 # --- Reading -------------------------------------------------------------------------------
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARD: Final = frozenset({"0.0.0.0", "::", ""})
 
@@ -269,6 +276,11 @@ def _build(raw: object, source: str) -> Config:
         for index, entry in enumerate(top.items("models", required=False) or ())
     )
     lora = parse_lora(top.table("lora"))
+    tenants = tuple(
+        parse_tenant(Table(problems, f"tenants[{index}]", entry))
+        for index, entry in enumerate(top.items("tenants", required=False) or ())
+    )
+    tenants_policy = parse_tenants_policy(top.table("tenants_policy"))
     # With discovery on, `[[engines]]` may be absent: the pods are the fleet.
     entries = top.items("engines", required=not discovery.enabled)
     engines: dict[str, EngineSpec] = {}
@@ -297,8 +309,11 @@ def _build(raw: object, source: str) -> Config:
         placement,
         models,
         lora,
+        tenants,
+        tenants_policy,
     )
     config = _derive_defaults(config, raw)
+    check_tenants(tenants, tenants_policy, problems)
     _check_model_timeouts(config, problems)
     _check_timeouts(config, problems)
     if entries is not None:
@@ -378,8 +393,8 @@ def _server(table: Table) -> ServerConfig:
         client_timeout_s=table.number("client_timeout_s", d.client_timeout_s),
         api_keys=table.strings("api_keys", secret=True),
         admin_api_keys=table.strings("admin_api_keys", secret=True),
-        api_keys_env=_env_name(table, "api_keys_env"),
-        admin_api_keys_env=_env_name(table, "admin_api_keys_env"),
+        api_keys_env=env_name(table, "api_keys_env"),
+        admin_api_keys_env=env_name(table, "admin_api_keys_env"),
         workers=parse_workers(table),
         replicas=parse_replicas(table),
     )
@@ -404,26 +419,11 @@ def _engine(table: Table) -> EngineConfig:
         whole_answer_timeout_s=table.number(
             "whole_answer_timeout_s", d.whole_answer_timeout_s, zero_ok=True
         ),
-        api_key_env=_env_name(table, "api_key_env"),
+        api_key_env=env_name(table, "api_key_env"),
         ca_bundle=table.optional_string("ca_bundle"),
     )
     table.close()
     return engine
-
-
-def _env_name(table: Table, key: str) -> str | None:
-    """The name of an environment variable; a bad one is withheld, as it may be the secret."""
-    value = table.take(key, required=False)
-    if value is MISSING:
-        return None
-    if isinstance(value, str) and _ENV_NAME.fullmatch(value):
-        return value
-    table.fail(
-        key,
-        "must be the name of an environment variable (letters, digits and _, not starting "
-        f"with a digit), got {withheld(value)}",
-    )
-    return None
 
 
 def _serving(table: Table) -> ServingConfig:

@@ -24,6 +24,15 @@ class Secrets:
     client_keys: tuple[bytes, ...] = field(default=(), repr=False)
     admin_keys: tuple[bytes, ...] = field(default=(), repr=False)
     engine_key: str | None = field(default=None, repr=False)
+    # Each tenant's keys (they are client keys too), to name a request's tenant.
+    tenant_keys: dict[bytes, str] = field(default_factory=dict, repr=False)
+
+    def tenant_of(self, header: str | None) -> str | None:
+        """The tenant whose key `Authorization: Bearer <key>` carries, or None. Called only
+        for a request whose key was accepted, so the lookup reveals nothing new."""
+        if not self.tenant_keys or header is None or not header.startswith("Bearer "):
+            return None
+        return self.tenant_keys.get(header[7:].strip().encode())
 
     def engine_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
@@ -39,6 +48,14 @@ def load_secrets(config: Config, environ: Mapping[str, str] | None = None) -> Se
     admin = list(config.server.admin_api_keys) + _keys(
         environ, "admin_api_keys_env", config.server.admin_api_keys_env
     )
+    tenant_keys: dict[bytes, str] = {}
+    for index, tenant in enumerate(config.tenants):
+        keys = list(tenant.api_keys) + _keys(
+            environ, f"tenants[{index}].api_keys_env", tenant.api_keys_env, prefix=""
+        )
+        for key in keys:
+            tenant_keys.setdefault(key.encode(), tenant.name)
+    client += [key.decode() for key in tenant_keys]
     engine_key = None
     engine_env = config.engine.api_key_env
     if engine_env is not None:
@@ -49,16 +66,19 @@ def load_secrets(config: Config, environ: Mapping[str, str] | None = None) -> Se
         client_keys=tuple(key.encode() for key in client),
         admin_keys=tuple(key.encode() for key in admin),
         engine_key=engine_key,
+        tenant_keys=tenant_keys,
     )
 
 
-def _keys(environ: Mapping[str, str], key: str, variable: str | None) -> list[str]:
-    """The comma-separated keys in the variable `server.<key>` names (none if it names none)."""
+def _keys(
+    environ: Mapping[str, str], key: str, variable: str | None, prefix: str = "server."
+) -> list[str]:
+    """The comma-separated keys in the variable `<prefix><key>` names (none if it names none)."""
     if variable is None:
         return []
     keys = [part.strip() for part in environ.get(variable, "").split(",") if part.strip()]
     if not keys:
-        raise SecretsError(f"server.{key} names {variable}, which is unset or empty")
+        raise SecretsError(f"{prefix}{key} names {variable}, which is unset or empty")
     return keys
 
 

@@ -17,6 +17,7 @@ from typing import Final, TypeGuard, TypeVar
 
 MISSING: Final = object()
 _E = TypeVar("_E", bound=enum.StrEnum)
+_ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Problems:
@@ -271,3 +272,18 @@ def withheld(value: object) -> str:
         dict: "a table",
     }
     return f"{kind.get(type(value), 'a ' + type(value).__name__)} (value withheld)"
+
+
+def env_name(table: Table, key: str) -> str | None:
+    """The name of an environment variable; a bad one is withheld, as it may be the secret."""
+    value = table.take(key, required=False)
+    if value is MISSING:
+        return None
+    if isinstance(value, str) and _ENV_NAME.fullmatch(value):
+        return value
+    table.fail(
+        key,
+        "must be the name of an environment variable (letters, digits and _, not starting "
+        f"with a digit), got {withheld(value)}",
+    )
+    return None
