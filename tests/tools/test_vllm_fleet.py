@@ -45,3 +45,11 @@ def test_runtime_updating_is_the_variable_vllm_reads_and_needs_no_module() -> No
     assert started.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert "--enable-lora" in started.command()
     assert "--lora-modules" not in started.command()
+
+
+def test_the_priority_policy_is_vllms_flag_and_fcfs_adds_none() -> None:
+    assert "--scheduling-policy" not in engine(OPTIONS).command()
+    command = engine(replace(OPTIONS, scheduling_policy="priority")).command()
+    at = command.index("--scheduling-policy")
+    assert command[at : at + 2] == ["--scheduling-policy", "priority"]
+    assert command[-2:] == ["--reasoning-parser", "deepseek_r1"], "extra arguments come last"

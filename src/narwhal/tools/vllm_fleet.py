@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 import aiohttp
 
@@ -31,6 +32,10 @@ from narwhal.config.environment import child_environment
 # The NixlConnector's role per Narwhal role. 0.32 still accepts kv_both for every engine but
 # logs it as deprecated; an engine that does both jobs has no other choice.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+# vLLM's `--scheduling-policy`: "fcfs" (its default) orders the waiting queue by arrival,
+# "priority" by each request's `priority` field (lower first), then arrival.
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 # One engine takes about 35 s to answer /health on an idle 2-core machine, two started
 # together about 60 s, three on a busy one 200 s; a busy CI machine can take longer still.
@@ -88,6 +93,9 @@ class VllmOptions:
     kv_lease_duration_s: int | None = None  # vLLM's default is 30 s
     lora: LoraOptions | None = None
     start_timeout_s: float = START_TIMEOUT_S
+    # "priority" starts the engines with `--scheduling-policy priority`; the default adds no
+    # flag, so that the command is vLLM's own default.
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 class VllmEngine:
@@ -148,8 +156,13 @@ class VllmEngine:
             "--kv-transfer-config",
             json.dumps(transfer),
             *(self.options.lora.args(self.options.served_model_name) if self.options.lora else ()),
+            *self._scheduling_args(),
             *self.options.extra_args,
         ]
+
+    def _scheduling_args(self) -> list[str]:
+        policy = self.options.scheduling_policy
+        return [] if policy == "fcfs" else ["--scheduling-policy", policy]
 
     def environment(self) -> dict[str, str]:
         """The parent's environment (PATH, locale) plus what pins the engine to loopback."""

@@ -88,3 +88,16 @@ def test_a_bad_lora_module_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 def test_adapter_names_are_unique_and_not_the_models(modules: tuple[tuple[str, str], ...]) -> None:
     with pytest.raises(ValueError, match="lora_modules"):
         SimOptions(model="m", lora_modules=modules)
+
+
+def test_the_scheduling_policy_flag_is_vllms() -> None:
+    assert _parse().scheduling_policy == "fcfs"
+    assert _parse("--scheduling-policy", "priority").scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="sim option scheduling_policy"):
+        SimOptions(scheduling_policy="lifo")  # type: ignore[arg-type]
+
+
+def test_an_unknown_scheduling_policy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--scheduling-policy", "lifo")
+    assert "scheduling-policy" in capsys.readouterr().err

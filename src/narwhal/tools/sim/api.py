@@ -1,11 +1,13 @@
 """The OpenAI request bodies an engine accepts, validated into one value, and its error shapes.
 
 Validation follows vLLM: a bad field or too long a prompt is a 400, a wrong model a 404,
-unknown fields are ignored.
+unknown fields are ignored. Fields vLLM's request models read leniently (pydantic's lax
+mode) are read so here too, and refused with its validation message.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +18,12 @@ from narwhal.tools.sim.faults import Phase
 from narwhal.tools.sim.model import VOCAB_SIZE, Sampling, chat_prompt, tokenize
 
 Route = Literal["completions", "chat"]
+
+PRIORITY_HEADER = "X-Vllm-Priority"
+"""vLLM 0.32 reads a request's priority from this header when it holds an integer, before
+the body's `priority` (`vllm/entrypoints/generate/base/serving.py`, `_get_priority`)."""
+
+_INT64 = 2**63
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -79,6 +87,8 @@ class InferenceRequest:
     # LoRA adapter that name is, if any.
     model: str = ""
     adapter: str | None = None
+    # vLLM's `priority`: lower is scheduled earlier, under `--scheduling-policy priority`.
+    priority: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -102,15 +112,19 @@ def parse_request(
     model: str,
     max_model_len: int,
     adapters: Container[str] = (),
+    priority_header: str | None = None,
 ) -> InferenceRequest:
     """Validate a request body; raises ApiError (400, or 404 for a model that is neither
-    the base `model` nor one of its loaded `adapters`)."""
+    the base `model` nor one of its loaded `adapters`). `priority_header` is the request's
+    PRIORITY_HEADER, if it had one."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    # The request model's own validation comes before any of vLLM's checks below.
+    priority = request_priority(body, priority_header)
     requested_model = body.get("model")
     adapter = None
     if requested_model and requested_model != model:
@@ -159,7 +173,79 @@ def parse_request(
         return_token_ids=_return_token_ids(body),
         model=adapter or model,
         adapter=adapter,
+        priority=priority,
     )
+
+
+def request_priority(body: dict[str, object], header: str | None = None) -> int:
+    """The priority vLLM 0.32 schedules a request with: the header when it holds an integer,
+    else the body's `priority` (0 when absent). The body's field is validated either way,
+    as the request model validates it: an integer of 64 bits, read leniently (`"3"`, `3.0`
+    and `true` are integers; `1.5`, `null` and `"x"` are refused)."""
+    value = lax_int(body["priority"], "body.priority") if "priority" in body else 0
+    if not -_INT64 <= value < _INT64:
+        bound = ("less_than_equal", "less", "le", _INT64 - 1)
+        if value < 0:
+            bound = ("greater_than_equal", "greater", "ge", -_INT64)
+        code, word, key, limit = bound
+        message = f"Input should be {word} than or equal to {limit}"
+        raise invalid_field(code, "body.priority", message, body["priority"], {key: limit})
+    if header is not None:
+        try:
+            return int(header)
+        except ValueError:
+            pass  # not an integer: vLLM falls back to the body
+    return value
+
+
+def lax_int(value: object, loc: str) -> int:
+    """An integer field read as pydantic's lax mode reads it, or its validation error."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float):
+        message = "Input should be a valid integer, got a number with a fractional part"
+        raise invalid_field("int_from_float", loc, message, value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            message = "Input should be a valid integer, unable to parse string as an integer"
+            raise invalid_field("int_parsing", loc, message, value) from None
+    raise invalid_field("int_type", loc, "Input should be a valid integer", value)
+
+
+def invalid_field(
+    code: str, loc: str, message: str, value: object, ctx: dict[str, object] | None = None
+) -> ApiError:
+    """vLLM's 400 for one field that failed validation, `param` naming it as `body.<field>`."""
+    error = {"type": code, "loc": loc, "msg": message, "input": input_summary(value)}
+    if ctx is not None:
+        error["ctx"] = ctx
+    return validation_error(str(error), param=loc)
+
+
+def input_summary(value: object) -> object:
+    """How vLLM's validation message shows the offending input: containers by their size."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value if isinstance(value, str) else str(value)
+
+
+def validation_error(detail: str, *, param: str | None) -> ApiError:
+    """vLLM's answer to a body its request model refuses: type `Bad Request`, one error."""
+    message = without_paths(f"1 validation error:\n  {detail}")
+    return ApiError(400, message, param, kind="Bad Request")
+
+
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
+def without_paths(message: str) -> str:
+    """vLLM 0.32 hides file-system paths in error messages: each becomes `<path>`."""
+    return _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", message)).strip()
 
 
 def _bounded_max_tokens(

@@ -21,7 +21,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from narwhal.tools.sim.api import ApiError, InferenceRequest, Route, parse_request
+from narwhal.tools.sim.api import (
+    PRIORITY_HEADER,
+    ApiError,
+    InferenceRequest,
+    Route,
+    parse_request,
+    request_priority,
+)
 from narwhal.tools.sim.describe import fingerprint, identity, models
 from narwhal.tools.sim.faults import ArmedFaults, Fault, FaultError
 from narwhal.tools.sim.generate import stream_tokens
@@ -72,10 +79,16 @@ class Received:
     # The W3C trace context it carried, so tests can check what a router propagates.
     traceparent: str | None = None
     tracestate: str | None = None
+    priority_header: str | None = None  # X-Vllm-Priority, which vLLM reads before the body
 
     @property
     def body(self) -> Any:
         return orjson.loads(self.raw)
+
+    @property
+    def priority(self) -> int:
+        """The `priority` it was scheduled with (raises ApiError if it was refused)."""
+        return request_priority(self.body, self.priority_header)
 
 
 @dataclass(slots=True)
@@ -248,6 +261,7 @@ class SimEngine:
                 request.headers.get("Authorization"),
                 request.headers.get("traceparent"),
                 request.headers.get("tracestate"),
+                request.headers.get(PRIORITY_HEADER),
             )
         )
         try:
@@ -257,6 +271,7 @@ class SimEngine:
                 model=self.options.model,
                 max_model_len=self.options.max_model_len,
                 adapters=launch.loras,
+                priority_header=request.headers.get(PRIORITY_HEADER),
             )
             fault = self._fault_for(request, inference, launch)
             blocks = self._blocks_needed(inference)
@@ -309,7 +324,7 @@ class SimEngine:
             await output.open()
             lease_params = inference.kv_transfer_params if inference.is_remote_decode else None
             async with renewing_lease(lease_params, options.kv_lease_s):
-                seat = await launch.scheduler.admit(blocks)
+                seat = await launch.scheduler.admit(blocks, inference.priority)
             try:
                 prompt = await process_prompt(
                     options,
@@ -497,7 +512,9 @@ class SimEngine:
 
     def _new_launch(self) -> _Launch:
         options = self.options
-        scheduler = Scheduler(options.max_num_seqs, options.num_kv_blocks)
+        scheduler = Scheduler(
+            options.max_num_seqs, options.num_kv_blocks, options.scheduling_policy
+        )
         counters = Counters()
         return _Launch(
             engine_id=options.engine_id or uuid.uuid4().hex,

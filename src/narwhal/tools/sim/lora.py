@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
-from narwhal.tools.sim.api import ApiError
+from narwhal.tools.sim.api import (
+    ApiError,
+    input_summary,
+    invalid_field,
+    lax_int,
+    validation_error,
+    without_paths,
+)
 from narwhal.tools.sim.outputs import error_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -134,7 +140,7 @@ class LoraRegistry:
         if self._check_paths and not os.path.exists(path):
             # vLLM's worker finds no adapter files there (and none to download): a 404.
             message = f"Loading lora {name} failed: No adapter found for {path}"
-            return ApiError(404, _without_paths(message), kind="NotFoundError")
+            return ApiError(404, without_paths(message), kind="NotFoundError")
         previous = self._adapters.get(name)
         if previous is not None:
             int_id = previous.int_id
@@ -175,7 +181,7 @@ def _body(raw: bytes, content_type: str) -> dict[str, object]:
     """The JSON object a LoRA route takes, or vLLM's validation error (a 400)."""
     media_type = content_type.split(";", 1)[0].strip().lower()
     if media_type != "application/json":
-        raise _validation_error(
+        raise validation_error(
             "Unsupported Media Type: Only 'application/json' is allowed", param=None
         )
     try:
@@ -191,15 +197,15 @@ def _body(raw: bytes, content_type: str) -> dict[str, object]:
             "input": "<dict of 0 items>",
             "ctx": {"error": reason},
         }
-        raise _validation_error(str(invalid), param=f"body.{pos}") from exc
+        raise validation_error(str(invalid), param=f"body.{pos}") from exc
     if not isinstance(body, dict):
         error: dict[str, object] = {
             "type": "model_attributes_type",
             "loc": "body",
             "msg": "Input should be a valid dictionary or object to extract fields from",
-            "input": _summary(body),
+            "input": input_summary(body),
         }
-        raise _validation_error(str(error), param="body")
+        raise validation_error(str(error), param="body")
     return body
 
 
@@ -213,18 +219,18 @@ def _field(body: dict[str, object], name: str, kind: type, *, required: bool) ->
     loc = f"body.{name}"
     if name not in body:
         if required:
-            raise _invalid("missing", loc, "Field required", body)
+            raise invalid_field("missing", loc, "Field required", body)
         return None
     value = body[name]
     if kind is str:
         if not isinstance(value, str):
-            raise _invalid("string_type", loc, "Input should be a valid string", value)
+            raise invalid_field("string_type", loc, "Input should be a valid string", value)
         return value
     if kind is bool:
         return _lax_bool(value, loc)
     if value is None and not required:
         return None  # an optional integer
-    return _lax_int(value, loc)
+    return lax_int(value, loc)
 
 
 def _lax_bool(value: object, loc: str) -> bool:
@@ -236,48 +242,5 @@ def _lax_bool(value: object, loc: str) -> bool:
         return value.strip().lower() in _TRUE
     if isinstance(value, int | float | str):
         message = "Input should be a valid boolean, unable to interpret input"
-        raise _invalid("bool_parsing", loc, message, value)
-    raise _invalid("bool_type", loc, "Input should be a valid boolean", value)
-
-
-def _lax_int(value: object, loc: str) -> int:
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, float):
-        message = "Input should be a valid integer, got a number with a fractional part"
-        raise _invalid("int_from_float", loc, message, value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            message = "Input should be a valid integer, unable to parse string as an integer"
-            raise _invalid("int_parsing", loc, message, value) from None
-    raise _invalid("int_type", loc, "Input should be a valid integer", value)
-
-
-def _invalid(code: str, loc: str, message: str, value: object) -> ApiError:
-    error = {"type": code, "loc": loc, "msg": message, "input": _summary(value)}
-    return _validation_error(str(error), param=loc)
-
-
-def _summary(value: object) -> object:
-    """How vLLM's validation message shows the offending input: containers by their size."""
-    if isinstance(value, list | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    return value if isinstance(value, str) else str(value)
-
-
-def _validation_error(detail: str, *, param: str | None) -> ApiError:
-    message = _without_paths(f"1 validation error:\n  {detail}")
-    return ApiError(400, message, param, kind="Bad Request")
-
-
-_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
-_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
-
-
-def _without_paths(message: str) -> str:
-    """vLLM 0.32 hides file-system paths in error messages: each becomes `<path>`."""
-    return _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", message)).strip()
+        raise invalid_field("bool_parsing", loc, message, value)
+    raise invalid_field("bool_type", loc, "Input should be a valid boolean", value)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from narwhal.tools.sim.faults import Fault, FaultError
 from narwhal.tools.sim.lora import parse_lora_module
 from narwhal.tools.sim.profiles import PROFILE_FIELDS, PROFILES, profile
+from narwhal.tools.sim.scheduler import SchedulingPolicy
 from narwhal.tools.sim.timing import PullCosts, StepCosts
 
 FailurePolicy = Literal["fail", "recompute"]
@@ -46,6 +47,8 @@ class SimOptions:
     kv_load_failure_policy: FailurePolicy = "fail"
     max_num_seqs: int = 256
     num_kv_blocks: int = 8192
+    # vLLM's `--scheduling-policy`: the waiting queue by arrival, or by `priority` first.
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # Timing (see narwhal.tools.sim.timing and docs/simulator-timing.md); `--profile` sets them.
     prefill_s_per_token: float = 0.0001
     request_overhead_s: float = 0.005
@@ -90,6 +93,12 @@ class SimOptions:
         )
         _require(self, "device", self.device in _DEVICE_BLOCK_SIZE, "must be 'cuda' or 'cpu'")
         _require(self, "reasoning_tokens", self.reasoning_tokens >= 0, "must not be negative")
+        _require(
+            self,
+            "scheduling_policy",
+            self.scheduling_policy in ("fcfs", "priority"),
+            "must be 'fcfs' or 'priority'",
+        )
         _require(
             self,
             "reasoning_field",
@@ -213,6 +222,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a decode does when its KV pull fails",
     )
     _add_timing_arguments(parser)
+    add(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.scheduling_policy,
+        help="the waiting queue's order, as vLLM's flag: fcfs (arrival) or priority (each "
+        "request's `priority`, lower first, then arrival)",
+    )
     add("--eos-probability", type=float, default=d.eos_probability, help="per token")
     add(
         "--empty-token-probability",

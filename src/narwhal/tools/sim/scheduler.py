@@ -1,14 +1,23 @@
-"""Capacity: running seats (at most max_num_seqs) and the KV block pool, with a FIFO queue.
+"""Capacity: running seats (at most max_num_seqs) and the KV block pool, with a waiting queue.
 
 A request takes a seat with all the KV blocks it can need (prompt and output) before it
-runs, so it never has to be preempted; requests that do not fit wait in arrival order.
+runs, so it never has to be preempted; requests that do not fit wait. The queue's order is
+vLLM's `--scheduling-policy`: `fcfs` by arrival, `priority` by the request's `priority`
+(lower first), then arrival, as vLLM 0.32's `PriorityRequestQueue` orders its waiting
+requests. Under `fcfs` the priority is ignored, as vLLM ignores it. Unlike vLLM, nothing
+running is preempted for a more important arrival: a seat holds its blocks to the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 @dataclass(slots=True, eq=False)
@@ -26,15 +35,24 @@ class _Waiter:
     since: float = 0.0
 
 
-class Scheduler:
-    """Admits requests in FIFO order while seats and KV blocks last."""
+# A waiting request's place in the queue, a heap: (priority, arrival number, waiter). The
+# arrival numbers are unique, so two waiters are never compared.
+_Entry = tuple[int, int, _Waiter]
 
-    def __init__(self, max_num_seqs: int, num_kv_blocks: int) -> None:
+
+class Scheduler:
+    """Admits requests in the policy's order while seats and KV blocks last."""
+
+    def __init__(
+        self, max_num_seqs: int, num_kv_blocks: int, policy: SchedulingPolicy = "fcfs"
+    ) -> None:
         self._max_num_seqs = max_num_seqs
         self.num_kv_blocks = num_kv_blocks
+        self.policy = policy
         self._free_blocks: deque[int] = deque(range(num_kv_blocks))
         self._running: set[Seat] = set()
-        self._waiting: deque[_Waiter] = deque()
+        self._waiting: list[_Entry] = []
+        self._arrivals = itertools.count()
         # Seconds admitted requests waited in the queue, and how many were admitted (vLLM's
         # `vllm:request_queue_time_seconds` sum and count).
         self.queue_time_sum = 0.0
@@ -53,21 +71,24 @@ class Scheduler:
         """Fraction of the KV pool in use, held blocks included (vLLM reports 0..1)."""
         return 1 - len(self._free_blocks) / self.num_kv_blocks
 
-    async def admit(self, blocks: int) -> Seat:
-        """Wait for a seat with `blocks` KV blocks; cancelling the wait leaves the queue."""
-        if not self._waiting and self._fits(blocks):
+    async def admit(self, blocks: int, priority: int = 0) -> Seat:
+        """Wait for a seat with `blocks` KV blocks, in the queue's order (`priority` counts
+        under the priority policy only); cancelling the wait leaves the queue."""
+        band = priority if self.policy == "priority" else 0
+        arrival = next(self._arrivals)
+        # Straight in when nothing waiting comes first: under fcfs only an empty queue.
+        if (not self._waiting or (band, arrival) < self._waiting[0][:2]) and self._fits(blocks):
             self.queue_time_count += 1
             return self._seat(blocks)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(blocks, loop.create_future(), loop.time())
-        self._waiting.append(waiter)
+        heapq.heappush(self._waiting, (band, arrival, waiter))
         try:
             return await waiter.admitted
         except asyncio.CancelledError:
             if waiter.admitted.cancelled():
                 # Not admitted: leave the queue, which may let the next in line through.
-                if waiter in self._waiting:
-                    self._waiting.remove(waiter)
+                self._leave(waiter)
                 self._admit_waiting()
             else:
                 self.release(waiter.admitted.result())
@@ -96,9 +117,16 @@ class Scheduler:
         self._running.add(seat)
         return seat
 
+    def _leave(self, waiter: _Waiter) -> None:
+        kept = [entry for entry in self._waiting if entry[2] is not waiter]
+        if len(kept) < len(self._waiting):
+            self._waiting = kept
+            heapq.heapify(self._waiting)
+
     def _admit_waiting(self) -> None:
-        while self._waiting and self._fits(self._waiting[0].blocks):
-            waiter = self._waiting.popleft()
+        # The head of the queue blocks those behind it (no skipping ahead to what fits).
+        while self._waiting and self._fits(self._waiting[0][2].blocks):
+            waiter = heapq.heappop(self._waiting)[2]
             if not waiter.admitted.cancelled():
                 self.queue_time_count += 1
                 self.queue_time_sum += asyncio.get_running_loop().time() - waiter.since
