@@ -25,6 +25,7 @@ LAYERS = [
     "protocol",
     "engines",
     "fleet",
+    "tenants",
     "router",
     "control",
     "observe",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 
 from narwhal.app.process import Hooks, Router
-from narwhal.config.root import parse_config
+from narwhal.config.root import load_config, parse_config
 from narwhal.protocol.bodies import Endpoint
 
 CONFIG = {
@@ -75,3 +76,27 @@ async def test_a_callers_hooks_hear_each_request_once_after_the_routers_own() ->
     assert reply.answers == [400]
     assert len(arrived) == 1 and ended == [(arrived[0], 400, 1)]
     assert router.in_flight == 0
+
+
+def test_a_reload_applies_tenants_limits_to_the_running_admission(tmp_path: Path) -> None:
+    def write(rpm: int) -> None:
+        tenants = '[[tenants]]\nname = "batch"\napi_keys = ["k"]\n'
+        path.write_text(
+            'model = "m"\n[[engines]]\nid = "p0"\nurl = "http://127.0.0.1:9"\nrole = "both"\n'
+            + tenants
+            + f"requests_per_minute = {rpm}\n"
+        )
+
+    path = tmp_path / "fleet.toml"
+    write(60)
+    router = Router(load_config(path), config_path=path)
+    assert router.admission is not None
+    write(5)
+    result = router.operations.reload()
+    assert result["restart_required"] == []
+    assert router.admission.tenants["batch"].requests_per_minute == 5
+    assert router.admission.limits.headers("batch", 0.0)["x-ratelimit-limit-requests"] == "5"
+
+
+def test_without_tenants_there_is_no_admission() -> None:
+    assert Router(parse_config(CONFIG)).admission is None

@@ -162,3 +162,22 @@ def test_a_problem_is_reported_exactly_for_each_id_whose_url_changed(
     assert len(problems) == len(changed)
     for engine_id, problem in zip(changed, problems, strict=True):
         assert problem.startswith(f"engines: {engine_id}: url changed")
+
+
+def test_tenants_limits_and_policy_apply_without_a_restart_but_keys_need_one() -> None:
+    def tenants(**batch: Any) -> Config:
+        return parse_config(
+            {
+                "model": "m",
+                "engines": [{"id": "p0", "url": P0.url, "role": "both"}],
+                "tenants": [{"name": "chat", "api_keys": ["k1"]}, {"name": "batch", **batch}],
+                "tenants_policy": {"engine_priority": "priority" in batch},
+            }
+        )
+
+    running = tenants()
+    assert restart_only(running, tenants(priority=2, requests_per_minute=60)) == ()
+    assert restart_only(running, tenants(api_keys=["k2"])) == ("tenants",)
+    # Turning tenants on or off changes how every request is admitted: a restart.
+    assert restart_only(config(P0, D0), running) == ("tenants",)
+    assert restart_only(running, replace(running, tenants=())) == ("tenants",)

@@ -39,6 +39,7 @@ from narwhal.observe.recent import RecentCalls
 from narwhal.observe.state import snapshot
 from narwhal.protocol.bodies import Endpoint
 from narwhal.router.abandoned import AbandonedHandoffs
+from narwhal.router.admission import Admission
 from narwhal.router.attempt import Attempt
 from narwhal.router.budget import RetryBudget
 from narwhal.router.call import Call, CallHook
@@ -49,6 +50,8 @@ from narwhal.router.reply import Reply
 from narwhal.router.request import RequestPath
 from narwhal.router.retry import Retries
 from narwhal.runtime.background import Background
+from narwhal.tenants.limits import TenantLimits
+from narwhal.tenants.store import LimitStore, LocalStore
 
 if TYPE_CHECKING:
     from narwhal.observe.tracing import Tracing
@@ -76,10 +79,14 @@ class Router:
         journal_stamp: Mapping[str, object] | None = None,
         seat_share: SeatShare | None = None,
         hooks: Hooks | None = None,
+        limit_store: LimitStore | None = None,
     ) -> None:
         """`seat_share`: a worker's part of the seat limits; by default, the replica's
-        (`server.replicas`). `hooks`: the caller's own, on each request."""
+        (`server.replicas`). `hooks`: the caller's own, on each request. `limit_store`:
+        where tenants' limits are kept (a worker's is shared with the other workers); by
+        default in this process."""
         hooks = hooks or Hooks()
+        secrets = secrets or Secrets()
         # The configuration the router started with; the engine list lives in `fleet`, which
         # operators change at runtime (`operations`, re-reading `config_path` on reload).
         self.config = config
@@ -103,7 +110,7 @@ class Router:
             prefill_timeout_s=timeouts.prefill_timeout_s,
             first_token_timeout_s=timeouts.first_token_timeout_s,
             decode_read_timeout_s=timeouts.decode_read_timeout_s,
-            headers=(secrets or Secrets()).engine_headers(),
+            headers=secrets.engine_headers(),
             ca_bundle=timeouts.ca_bundle,
         )
         # LoRA adapters loaded where placement wants them, with `[lora] load_on_demand`.
@@ -164,6 +171,17 @@ class Router:
                 latency,
                 model_slo={m.name: m.slo for m in config.models if m.slo is not None},
             )
+        # Tenants' limits and claims, only with `[[tenants]]`: without, a request pays nothing.
+        self.admission: Admission | None = None
+        if config.tenants:
+            limits = TenantLimits(
+                config.tenants, limit_store or LocalStore(), share=config.server.replicas
+            )
+            self.admission = Admission(
+                config.tenants, config.tenants_policy, secrets.tenant_of, limits
+            )
+            call_hooks.append(self.admission.ended)
+            self.operations.reloaded.append(lambda loaded: self._tenants_reloaded(loaded))
         self.outcome = Outcome(
             self.fleet,
             self.breaker,
@@ -180,6 +198,7 @@ class Router:
             Retries(attempt, self.outcome),
             self.outcome,
             tracer=self.tracing,
+            admission=self.admission,
             call_hooks=[*call_hooks, *hooks.ended],
             first_token_hooks=first_token_hooks,
             arrival_hooks=[*arrival_hooks, *hooks.arrival],
@@ -240,6 +259,11 @@ class Router:
     def state(self) -> dict[str, Any]:
         """What `/narwhal/state` shows (see `observe.state`)."""
         return snapshot(self)
+
+    def _tenants_reloaded(self, loaded: Config) -> None:
+        """A reloaded file's tenants: their bands, weights and limits apply at once."""
+        if self.admission is not None:
+            self.admission.update(loaded.tenants, loaded.tenants_policy)
 
     def _journal_call(self, call: Call, now: float) -> None:
         if self.journal.writing:

@@ -23,6 +23,7 @@ from narwhal.config.secrets import Secrets
 from narwhal.fleet.seat_share import SeatShare
 from narwhal.http.app import build_app
 from narwhal.http.front import Front
+from narwhal.tenants.store import LimitStore
 
 if TYPE_CHECKING:
     from narwhal.observe.tracing import Tracing
@@ -46,13 +47,14 @@ class RouterServer:
         journal_stamp: Mapping[str, object] | None = None,
         seat_share: SeatShare | None = None,
         hooks: Hooks | None = None,
+        limit_store: LimitStore | None = None,
     ) -> None:
         """`config_path` is the file a reload (SIGHUP, `POST /narwhal/reload`) re-reads.
         `tracing`: a tracer of the caller's (tests give one that keeps spans in memory);
         by default `[tracing]` and the OTEL_* environment decide. A worker process passes
         its bound `listener` (shared with the other workers), the Unix socket path its peers
         reach it at, its fan-out middleware, the keys it stamps on its journal lines, its
-        part of the seat limits and its ledger's hooks."""
+        part of the seat limits, its ledger's hooks and the tenants' limits it shares."""
         self.secrets = secrets or Secrets()
         self.router = Router(
             config,
@@ -62,6 +64,7 @@ class RouterServer:
             journal_stamp=journal_stamp,
             seat_share=seat_share,
             hooks=hooks,
+            limit_store=limit_store,
         )
         self.host = host if host is not None else config.server.host
         self.port = port if port is not None else config.server.port

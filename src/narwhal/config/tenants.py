@@ -9,7 +9,7 @@ client keys: they turn client authentication on, as `server.api_keys` do.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Final
 
@@ -103,6 +103,18 @@ def read_limits(table: Table, base: TenantConfig) -> TenantConfig:
         tokens_per_minute=_optional_number(table, "tokens_per_minute", base.tokens_per_minute),
         ttft_objective_s=_optional_number(table, "ttft_objective_s", base.ttft_objective_s),
     )
+
+
+def tenant_patch(base: TenantConfig, raw: object) -> tuple[TenantConfig, list[str]]:
+    """`base` changed by an admin API body of `LIMIT_KEYS` (`null` lifts a limit); the
+    problems found, each naming its key, when the body is not such an object."""
+    problems = Problems()
+    if not isinstance(raw, Mapping) or not raw:
+        return base, [f"must be an object with some of {', '.join(LIMIT_KEYS)}"]
+    table = Table(problems, "", raw)
+    changed = read_limits(table, base)
+    table.close()
+    return changed, problems.messages
 
 
 def parse_tenants_policy(table: Table) -> TenantsPolicy:

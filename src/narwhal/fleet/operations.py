@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,8 @@ class FleetOperations:
         self.config_path = config_path
         # Why each engine on its way out goes (for its `removed` event).
         self._removal_why: dict[str, str] = {}
+        # Told each reloaded file once it applied (tenants' limits follow it).
+        self.reloaded: list[Callable[[Config], None]] = []
         fleet.listeners.append(self._on_event)
 
     def engine(self, engine_id: str) -> Engine:
@@ -282,6 +284,8 @@ class FleetOperations:
                 problems=changes.problems,
             )
         self._apply(changes)
+        for hook in self.reloaded:
+            hook(loaded)
         return {
             "path": str(self.config_path),
             "added": [spec.id for spec in changes.add],

@@ -79,12 +79,27 @@ def diff_engines(live: Sequence[EngineSpec], target: Sequence[EngineSpec]) -> Pl
 
 
 def restart_only(running: Config, loaded: Config) -> tuple[str, ...]:
-    """The keys and tables besides `[[engines]]` whose values differ between two configs."""
+    """The keys and tables besides `[[engines]]` whose values differ between two configs,
+    less tenants' bands, weights, limits and policy, which a reload applies
+    (`tenants_live`)."""
     return tuple(
         f.name
         for f in fields(Config)
-        if f.name not in _NOT_SECTIONS and getattr(running, f.name) != getattr(loaded, f.name)
+        if f.name not in _NOT_SECTIONS
+        and getattr(running, f.name) != getattr(loaded, f.name)
+        and not (f.name in ("tenants", "tenants_policy") and tenants_live(running, loaded))
     )
+
+
+def tenants_live(running: Config, loaded: Config) -> bool:
+    """Whether a reload can apply the file's tenants as they are: the router had tenants
+    and keeps some, and every tenant keeps its keys (keys are read once, at start)."""
+    if not running.tenants or not loaded.tenants:
+        return False
+    none: tuple[tuple[str, ...], str | None] = ((), None)
+    before = {t.name: (t.api_keys, t.api_keys_env) for t in running.tenants}
+    after = {t.name: (t.api_keys, t.api_keys_env) for t in loaded.tenants}
+    return all(before.get(name, none) == after.get(name, none) for name in {*before, *after})
 
 
 def plan(live: Sequence[EngineSpec], running: Config, loaded: Config) -> Plan:

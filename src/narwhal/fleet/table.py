@@ -2,7 +2,11 @@
 
 The request path asks `Fleet.reserve()` for a producer and a consumer and gets back a
 `Reservation` holding one prefill seat and one decode seat, each released exactly once.
-When no pair of seats is free the request waits in a bounded FIFO queue.
+When no pair of seats is free the request waits in its pool's queue (`fleet.scheduler`:
+strict priority between bands, fair shares between tenants, arrival order without them),
+or is refused at once when its expected wait exceeds its tenant's TTFT objective or its
+own deadline, or when its tenant's queue or the whole queue is full (a more important
+request takes a less important one's place rather than be refused).
 
 Placement degrades rather than refuse while any engine accepts connections:
 
@@ -27,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ from narwhal.fleet.lifecycle import EngineState as EngineState
 from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.models import Catalog, Target
 from narwhal.fleet.placement import Placer, PromptKey
+from narwhal.fleet.scheduler import NO_CLAIM, Claim, Queues, Scheduler
 from narwhal.fleet.seat_share import WHOLE, SeatShare
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.runtime.clock import clock
@@ -74,6 +78,8 @@ class Reservation:
     # before its legs are sent (`Fleet.prepare` loads them).
     target: Target | None = None
     loads: tuple[Engine, ...] = ()
+    # Its work in tokens (`Claim.cost`), counted in its pool's service rate at its end.
+    cost: float = 1.0
 
     @property
     def crossed(self) -> bool:
@@ -93,6 +99,7 @@ class Reservation:
             self.consumer.decode_seats -= 1
             if self.target is not None and self.target.adapter is not None:
                 self.consumer.use_adapter(self.target.adapter, -1)
+            self.fleet.note_served(self)
             self.fleet.seat_freed()
 
     def release(self) -> None:
@@ -111,6 +118,7 @@ class _Waiter:
     avoid: frozenset[str]
     key: PromptKey | None
     target: Target | None
+    claim: Claim
     future: asyncio.Future[Reservation]
 
 
@@ -146,8 +154,9 @@ class Fleet:
         self.catalog.learn(self.engines)
         self.queue_capacity = queue_capacity
         self.queue_timeout_s = queue_timeout_s
-        # One FIFO per pool and adapter: a head that waits blocks only its own pool.
-        self._queues: dict[Target | None, deque[_Waiter]] = {}
+        # One queue per pool and adapter: a head that waits blocks only its own pool.
+        self._queues: Queues[Target | None, _Waiter] = Queues()
+        self._pools = self._queues.pools
         self.prepare: Prepare | None = None
         self._rng = rng or random.Random()
         self.placer = Placer(placement or PlacementConfig(), self._rng)
@@ -162,15 +171,19 @@ class Fleet:
 
     @property
     def queued(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
+        return self._queues.queued()
 
     def queued_in(self, model: str) -> int:
         """Requests waiting for a seat in one pool (with several pools)."""
         return sum(
             len(queue)
-            for key, queue in self._queues.items()
+            for key, queue in self._pools.items()
             if key is not None and key.base == model
         )
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Requests waiting for a seat, per tenant (`""`: those without one)."""
+        return self._queues.queued_by_tenant()
 
     def models(self) -> list[str]:
         """The pools: every base model an engine serves, in the engines' order."""
@@ -478,16 +491,20 @@ class Fleet:
         avoid: frozenset[str] = frozenset(),
         key: PromptKey | None = None,
         target: Target | None = None,
+        claim: Claim | None = None,
     ) -> Reservation:
-        """A reservation, waiting in arrival order (within the pool) for up to
-        `queue_timeout_s`, with the adapter `target` names loaded on its engines.
+        """A reservation, waiting in the pool's queue for up to `queue_timeout_s`, with
+        the adapter `target` names loaded on its engines.
 
-        The request's own deadline (an enclosing timeout) may end the wait sooner; a
-        waiter that leaves for any reason never keeps a seat. A failed load passes that
-        engine over for the adapter and places the request again.
+        `claim`: the request's tenant, band, weight, cost and bounds (`fleet.scheduler`);
+        without one the request waits in arrival order with those that have none. It is
+        refused at once (`Queues.admit`) rather than queued when it would wait too long or
+        its tenant's queue is full. The request's own deadline (an enclosing timeout) may
+        end the wait sooner; a waiter that leaves for any reason never keeps a seat. A
+        failed load passes that engine over for the adapter and places the request again.
         """
         for _ in range(len(self.engines) + 1):
-            reservation = await self._seats(avoid, key, target)
+            reservation = await self._seats(avoid, key, target, claim)
             if not reservation.loads or self.prepare is None:
                 return reservation
             try:
@@ -507,26 +524,29 @@ class Fleet:
         )
 
     async def _seats(
-        self, avoid: frozenset[str], key: PromptKey | None, target: Target | None
+        self,
+        avoid: frozenset[str],
+        key: PromptKey | None,
+        target: Target | None,
+        claim: Claim | None,
     ) -> Reservation:
         queue_key = target if self.catalog.several else None
-        queue = self._queues.get(queue_key)
-        if not queue:
+        scheduler = self._pools.get(queue_key)
+        if not scheduler:
+            # Nobody waits for this pool: no scheduler work, as without tenants.
             reservation = self.try_reserve(avoid, key, target)
             if reservation is not None:
+                if claim is not None:
+                    reservation.cost = claim.cost
                 return reservation
-        if self.queued >= self.queue_capacity:
-            raise NarwhalError(
-                429,
-                f"the router's queue is full ({self.queue_capacity} requests wait for a seat; "
-                "serving.queue_capacity)",
-                Cause.UNAVAILABLE,
-                retry_after=1,
-            )
-        waiter = _Waiter(avoid, key, target, asyncio.get_running_loop().create_future())
-        if queue is None:
-            queue = self._queues[queue_key] = deque()
-        queue.append(waiter)
+        waiter = _Waiter(
+            avoid, key, target, claim or NO_CLAIM, asyncio.get_running_loop().create_future()
+        )
+        shed = self._queues.admit(waiter, queue_key, waiter.claim, _now(), self.queue_capacity)
+        if shed is not None:
+            victim, error = shed
+            if not victim.future.done():
+                victim.future.set_exception(error)
         try:
             async with clock().timeout(self.queue_timeout_s):
                 return await waiter.future
@@ -542,6 +562,15 @@ class Fleet:
             self._abandon(waiter)
             raise
 
+    def note_served(self, reservation: Reservation) -> None:
+        """A reservation's decode seat is released: while requests wait for its pool,
+        its cost counts in the pool's service rate."""
+        queue_key = reservation.target if self.catalog.several else None
+        if self._pools.get(queue_key):
+            self._queues.served(queue_key, reservation.cost, _now())
+        else:
+            self._queues.idle(queue_key)
+
     def _abandon(self, waiter: _Waiter) -> None:
         """A waiter leaves: seats granted to it in the meantime go back."""
         future = waiter.future
@@ -549,42 +578,41 @@ class Fleet:
             future.result().release()
             return
         future.cancel()
-        queue = self._queues.get(waiter.target if self.catalog.several else None)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
+        scheduler = self._pools.get(waiter.target if self.catalog.several else None)
+        if scheduler is not None and scheduler.remove(waiter):
             self.seat_freed()
 
     def seat_freed(self) -> None:
-        """Grant seats to waiters in arrival order within each pool's queue; a queue's
-        head blocks those behind it, not another pool's."""
+        """Grant seats to waiters in each pool's scheduler order; a pool's head blocks
+        those behind it, not another pool's."""
         if self._draining:
             self._note_drained()
         if self._waking:
             return
         self._waking = True
         try:
-            for queue_key, queue in list(self._queues.items()):
-                self._wake(queue)
-                if not queue:
-                    del self._queues[queue_key]
+            for queue_key, scheduler in list(self._pools.items()):
+                self._wake(scheduler)
+                if not scheduler:
+                    del self._pools[queue_key]
         finally:
             self._waking = False
 
-    def _wake(self, queue: deque[_Waiter]) -> None:
-        while queue:
-            head = queue[0]
+    def _wake(self, scheduler: Scheduler[_Waiter]) -> None:
+        while (head := scheduler.peek()) is not None:
             if head.future.done():
-                queue.popleft()
+                scheduler.remove(head)
                 continue
             try:
                 reservation = self.try_reserve(head.avoid, head.key, head.target)
             except NarwhalError as error:
-                queue.popleft()
+                scheduler.remove(head)
                 head.future.set_exception(error)
                 continue
             if reservation is None:
                 return
-            queue.popleft()
+            scheduler.pop()
+            reservation.cost = head.claim.cost
             head.future.set_result(reservation)
 
 

@@ -8,6 +8,7 @@
 | `PATCH /narwhal/engines/{id}`           | change `role`, seat limits or `pin`           |
 | `DELETE /narwhal/engines/{id}`          | delete a drained engine                       |
 | `POST /narwhal/reload`                  | re-read the config file (as SIGHUP does)      |
+| `PATCH /narwhal/tenants/{name}`         | change a tenant's band, weight or limits      |
 
 Answers are the engine as `/narwhal/state` shows it, or an OpenAI-shaped error whose
 `param` names the body key at fault and whose `problems` lists every problem; the rules
@@ -26,16 +27,23 @@ from aiohttp import web
 
 from narwhal.fleet.operations import FleetOperations, OperationError
 from narwhal.fleet.table import Engine
-from narwhal.observe.state import engine_entry
+from narwhal.observe.state import engine_entry, tenant_settings
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.router.abandoned import AbandonedHandoffs
+from narwhal.router.admission import Admission
 
 Action = Callable[[web.Request], Awaitable[Any]]
 
 
 def add_admin_routes(
-    app: web.Application, operations: FleetOperations, abandoned: AbandonedHandoffs
+    app: web.Application,
+    operations: FleetOperations,
+    abandoned: AbandonedHandoffs,
+    admission: Admission | None = None,
 ) -> None:
+    """`admission`: tenants' settings, changed by `PATCH /narwhal/tenants/{name}` (a
+    router without `[[tenants]]` answers 409 there)."""
+
     def _show(engine: Engine) -> dict[str, Any]:
         now = asyncio.get_running_loop().time()
         return {"engine": engine_entry(engine, now, abandoned)}
@@ -63,12 +71,19 @@ def add_admin_routes(
     async def reload(request: web.Request) -> Any:
         return operations.reload()
 
+    async def tenant(request: web.Request) -> Any:
+        if admission is None:
+            raise OperationError(409, "this router has no [[tenants]]: add them and restart")
+        changed = admission.change(request.match_info["name"], await _body(request))
+        return {"tenant": {"name": changed.name, **tenant_settings(changed)}}
+
     app.router.add_post("/narwhal/engines", _answer(add, created=True))
     app.router.add_post("/narwhal/engines/{id}/drain", _answer(drain))
     app.router.add_post("/narwhal/engines/{id}/readmit", _answer(readmit))
     app.router.add_patch("/narwhal/engines/{id}", _answer(patch))
     app.router.add_delete("/narwhal/engines/{id}", _answer(delete))
     app.router.add_post("/narwhal/reload", _answer(reload))
+    app.router.add_patch("/narwhal/tenants/{name}", _answer(tenant))
 
 
 def _answer(

@@ -121,5 +121,5 @@ def build_app(
     app.router.add_get("/narwhal/state", state)
     app.router.add_get("/metrics", metrics)
     add_page_routes(app)
-    add_admin_routes(app, router.operations, router.abandoned)
+    add_admin_routes(app, router.operations, router.abandoned, router.admission)
     return app

@@ -10,6 +10,7 @@ from narwhal.fleet.table import Fleet
 from narwhal.observe.metrics import RouterMetrics
 from narwhal.protocol.bodies import Endpoint
 from narwhal.router.abandoned import AbandonedHandoffs
+from narwhal.router.admission import Admission
 from narwhal.router.reply import Reply
 
 
@@ -28,6 +29,8 @@ class Served(Protocol):
     def operations(self) -> FleetOperations: ...
     @property
     def abandoned(self) -> AbandonedHandoffs: ...
+    @property
+    def admission(self) -> Admission | None: ...
 
     async def handle(self, reply: Reply, endpoint: Endpoint) -> None:
         """Serve one client request to its one outcome."""

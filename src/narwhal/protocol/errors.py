@@ -75,10 +75,12 @@ class NarwhalError(Exception):
         param: str | None = None,
         relayed: Mapping[str, Any] | None = None,
         code: str | None = None,
+        refusal: str | None = None,
     ) -> None:
         """`param` names the request field at fault; `relayed` is an engine's own error
         object, answered to the client as the engine sent it; `code` is the body's `code`
-        where OpenAI names one (`model_not_found`), else the status."""
+        where OpenAI names one (`model_not_found`), else the status; `refusal` says which
+        rule of admission refused the request (a tenant's limit, overload, shedding)."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -89,6 +91,7 @@ class NarwhalError(Exception):
         self.param = param
         self.relayed = relayed
         self.code = code
+        self.refusal = refusal
 
     @property
     def is_engine_fault(self) -> bool:

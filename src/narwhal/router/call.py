@@ -10,11 +10,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
 from narwhal.router.abandoned import Abandonment, journal_field
+
+if TYPE_CHECKING:
+    from narwhal.fleet.scheduler import Claim
+    from narwhal.tenants.limits import Ticket
 
 # The status recorded for a client that went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499
@@ -61,6 +65,16 @@ class Call:
     # None until its `model` was resolved.
     model: str | None = None
     adapter: str | None = None
+    # Its tenant (`router.admission`), what its limits let it take, its claim on the seat
+    # queue, and the headers every answer to it carries (`x-ratelimit-*`); None without.
+    tenant: str | None = None
+    ticket: Ticket | None = None
+    claim: Claim | None = None
+    headers: dict[str, str] | None = None
+    # Why it was refused with 429 or 503, set where the refusal is raised (a bounded word,
+    # a metrics label: max_concurrent, requests_per_minute, tokens_per_minute,
+    # request_too_large, max_queued, overload, shed, queue_full); None when not refused.
+    refusal: str | None = None
     producer: str | None = None
     consumer: str | None = None
     handoff: str | None = None
@@ -203,6 +217,10 @@ class Call:
         }
         if self.adapter is not None:
             entry["adapter"] = self.adapter
+        if self.tenant is not None:
+            entry["tenant"] = self.tenant
+        if self.refusal is not None:
+            entry["refusal"] = self.refusal
         return entry
 
 

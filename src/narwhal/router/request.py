@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal.config.root import Config, NonstreamDecode
 from narwhal.engines.decode_stream import DecodeStream
@@ -29,6 +29,9 @@ from narwhal.router.rescue import Rescue
 from narwhal.router.respond import answer_error, collect, forward, relay
 from narwhal.router.retry import FirstTries, Retries
 from narwhal.runtime.clock import clock
+
+if TYPE_CHECKING:
+    from narwhal.router.admission import Admission
 
 
 class Tracer(Protocol):
@@ -60,18 +63,21 @@ class RequestPath:
         outcome: Outcome,
         *,
         tracer: Tracer | None = None,
+        admission: Admission | None = None,
         call_hooks: list[CallHook],
         first_token_hooks: list[CallHook],
         arrival_hooks: list[Callable[[Call], None]],
     ) -> None:
         """`call_hooks` hear each request once it ended (the journal first),
         `first_token_hooks` as its first token goes out to its client, `arrival_hooks` as
-        it arrives, before anything can fail."""
+        it arrives, before anything can fail; `admission`: tenants' limits and claims, when
+        `[[tenants]]` are configured."""
         self.config = config
         self.fleet = fleet
         self.retries = retries
         self.outcome = outcome
         self.tracer = tracer
+        self.admission = admission
         self.call_hooks = call_hooks
         self.first_token_hooks = first_token_hooks
         self.arrival_hooks = arrival_hooks
@@ -105,6 +111,7 @@ class RequestPath:
             except ConnectionResetError:
                 call.status, call.error = CLIENT_CLOSED, "client closed the connection"
         except NarwhalError as error:
+            call.refusal = error.refusal
             call.fail(error)
             await answer_error(reply, call, error)
         except asyncio.CancelledError:
@@ -157,6 +164,8 @@ class RequestPath:
         request.body["model"] = target.served
         call.model, call.adapter = target.base, target.adapter
         call.stream = request.stream
+        if self.admission is not None:
+            self.admission.admit(call, request, reply.header("Authorization"))
         progress = tracker(config.continuation, request)
         call.tracks_ids = progress is not None
         first = FirstTries(

@@ -38,7 +38,7 @@ from narwhal.router.continuation import (
 )
 from narwhal.router.progress import Progress
 from narwhal.router.reply import Reply
-from narwhal.router.respond import DONE_EVENT, completion_tokens, stream_headers
+from narwhal.router.respond import DONE_EVENT, answer_headers, completion_tokens, stream_headers
 from narwhal.router.retry import FirstTries, Retries
 
 # A client that sends this request header with the value `report` learns of continuations:
@@ -210,7 +210,9 @@ class Rescue:
 
     async def reserve(self, call: Call) -> Reservation:
         try:
-            return await self.fleet.reserve(frozenset(self.avoid), self.key, self.target)
+            return await self.fleet.reserve(
+                frozenset(self.avoid), self.key, self.target, call.claim
+            )
         except NarwhalError as unplaced:
             why = f"no consumer was placed: {unplaced.message}"
             raise self._refused(why, FLEET) from None
@@ -253,7 +255,7 @@ class Rescue:
         call.status = 200
         if self.assembler is not None:
             self.assembler.usage = usage
-            headers = {"X-Request-Id": call.request_id}
+            headers = answer_headers(call)
             if self.report:
                 headers[COUNT_HEADER] = str(call.continuations)
             await self.reply.answer(200, orjson.dumps(self.assembler.result()), headers)

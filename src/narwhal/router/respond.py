@@ -21,7 +21,16 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def stream_headers(call: Call) -> dict[str, str]:
+    if call.headers:
+        return {**SSE_HEADERS, "X-Request-Id": call.request_id, **call.headers}
     return {**SSE_HEADERS, "X-Request-Id": call.request_id}
+
+
+def answer_headers(call: Call) -> dict[str, str]:
+    """A whole answer's headers: its id, and its tenant's rate-limit headers."""
+    if call.headers:
+        return {"X-Request-Id": call.request_id, **call.headers}
+    return {"X-Request-Id": call.request_id}
 
 
 async def relay(reply: Reply, call: Call, stream: DecodeStream) -> None:
@@ -65,7 +74,7 @@ async def collect(reply: Reply, call: Call, stream: DecodeStream) -> None:
             raise bad_stream(exc, stream.engine) from None
     call.output_tokens = completion_tokens(usage)
     call.status = 200
-    await reply.answer(200, body, {"X-Request-Id": call.request_id})
+    await reply.answer(200, body, answer_headers(call))
 
 
 async def forward(reply: Reply, call: Call, answer: WholeAnswer) -> None:
@@ -76,7 +85,7 @@ async def forward(reply: Reply, call: Call, answer: WholeAnswer) -> None:
     if call.prompt_tokens is None:
         call.prompt_tokens = answer.prompt_tokens
     call.status = 200
-    await reply.answer(200, answer.body, {"X-Request-Id": call.request_id})
+    await reply.answer(200, answer.body, answer_headers(call))
 
 
 def completion_tokens(usage: dict[str, Any] | None) -> int | None:
@@ -92,7 +101,7 @@ async def answer_error(reply: Reply, call: Call, error: NarwhalError) -> None:
         await reply.answer(
             error.status,
             error.json(),
-            {"X-Request-Id": call.request_id, **error.headers()},
+            {**answer_headers(call), **error.headers()},
             close=error.status == 408,
         )
         return

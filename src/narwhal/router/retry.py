@@ -105,7 +105,9 @@ class FirstTries:
         return self.request
 
     async def reserve(self, call: Call) -> Reservation:
-        return await self.fleet.reserve(frozenset(self.failed_on), self.key, self.target)
+        return await self.fleet.reserve(
+            frozenset(self.failed_on), self.key, self.target, call.claim
+        )
 
     def placed(self, call: Call, reservation: Reservation) -> None:
         pass

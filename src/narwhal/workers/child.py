@@ -21,6 +21,7 @@ from narwhal.config.secrets import SecretsError, load_secrets
 from narwhal.fleet.seat_share import SeatShare
 from narwhal.observe.events import configure_logging
 from narwhal.runtime import main as runtime
+from narwhal.tenants.store import SharedStore, limits_path
 from narwhal.workers.fanout import fan_out
 from narwhal.workers.ledger import Ledger, ledger_path
 from narwhal.workers.listener import shared_listener
@@ -68,6 +69,8 @@ async def run_worker(
     stopping = stop_signal()
     peers = Peers(run_dir, count, worker)
     ledger = Ledger(ledger_path(run_dir, worker))
+    # Tenants' limits hold for the whole router: every worker keeps them in one file.
+    limits = SharedStore(limits_path(run_dir), count, worker) if config.tenants else None
     server = RouterServer(
         config,
         host,
@@ -80,6 +83,7 @@ async def run_worker(
         journal_stamp={"worker": worker},
         seat_share=SeatShare(config.server.replicas, count, worker),
         hooks=Hooks(arrival=[ledger.opened], ended=[ledger.closed]),
+        limit_store=limits,
     )
     reload_signal(server)
     await server.start()
@@ -92,6 +96,8 @@ async def run_worker(
         await server.shutdown(config.server.graceful_timeout_s)
         await peers.close()
         ledger.close()
+        if limits is not None:
+            limits.close()
     return 0
 
 

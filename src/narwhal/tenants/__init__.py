@@ -1,0 +1,1 @@
+"""Tenants' limits: token buckets, where their state lives, and admission against them."""
