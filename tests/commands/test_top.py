@@ -168,3 +168,84 @@ def test_one_pool_without_adapters_adds_no_pool_lines() -> None:
     assert "whale-7b: prefill 1/1 · decode 1/1 admitted · adapters sql (1)" in render(
         with_adapter, 120
     )
+
+
+def tenant(priority: int, **changes: Any) -> dict[str, Any]:
+    return {
+        "priority": priority,
+        "weight": 1.0,
+        "default": False,
+        "limits": {
+            "max_concurrent": None,
+            "max_queued": None,
+            "requests_per_minute": None,
+            "tokens_per_minute": None,
+            "ttft_objective_s": None,
+        },
+        "share": {"max_concurrent": None, "requests_per_minute": None, "tokens_per_minute": None},
+        "in_flight": None,
+        "in_flight_here": 0,
+        "queued": 0,
+        "requests_level": None,
+        "tokens_level": None,
+        "mean_duration_s": None,
+        **changes,
+    }
+
+
+def with_tenants() -> dict[str, Any]:
+    state = copy.deepcopy(STATE)
+    state["tenants"] = {
+        "search": tenant(
+            0,
+            weight=3.0,
+            limits={
+                "max_concurrent": 8,
+                "max_queued": 16,
+                "requests_per_minute": 600,
+                "tokens_per_minute": 60000,
+                "ttft_objective_s": 0.5,
+            },
+            share={"max_concurrent": 8, "requests_per_minute": 600, "tokens_per_minute": 60000},
+            in_flight=5,
+            in_flight_here=5,
+            queued=2,
+            requests_level=412.7,
+            tokens_level=1234.5,
+        ),
+        "batch": tenant(2, default=True, in_flight_here=3, queued=9),
+    }
+    state["recent"]["tenants"] = {
+        "search": {"requests": 30, "outcomes": {"ok": 30}, "refused": 0},
+        "batch": {"requests": 12, "outcomes": {"ok": 10, "client_error": 2}, "refused": 2},
+    }
+    return state
+
+
+def test_tenants_show_their_band_weight_load_recent_outcomes_and_limits() -> None:
+    lines = render(with_tenants(), 160, keys=False)
+    start = lines.index("tenants (ok and refused: last 5 min) · default batch")
+    assert lines[start + 1].split() == [
+        "TENANT", "BAND", "WEIGHT", "IN", "FLIGHT", "QUEUED", "OK", "REFUSED", "LIMITS"
+    ]  # fmt: skip
+    # In flight and queued out of the tenant's caps; its buckets' levels out of their limits.
+    assert lines[start + 2].split() == [
+        "search", "0", "3", "5/8", "2/16", "30", "0",
+        "rpm", "412/600", "·", "tpm", "1.2k/60k", "·", "ttft", "500", "ms",
+    ]  # fmt: skip
+    # A tenant without limits: its requests in this router, uncapped.
+    assert lines[start + 3].split() == ["batch", "2", "1", "3", "9", "10", "2", "-"]
+    # The tenants come before the engines.
+    assert start < next(i for i, line in enumerate(lines) if line.startswith("ENGINE"))
+
+
+def test_a_router_without_tenants_shows_no_tenant_lines() -> None:
+    lines = render(STATE, 160)
+    assert not any(line.startswith(("tenants", "TENANT")) for line in lines)
+    assert render({**STATE, "tenants": {}}, 160) == lines
+
+
+@pytest.mark.parametrize("width", [20, 79])
+def test_tenant_lines_fit_the_width(width: int) -> None:
+    for line in render(with_tenants(), width):
+        assert len(line) <= width, line

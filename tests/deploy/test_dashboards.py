@@ -44,7 +44,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
 
 
 async def _scrape(tmp_path: Path) -> Exported:
-    async with stack_factory(tmp_path)() as stack:
+    # A tenant brings out the per-tenant series (each configured tenant's from the start).
+    async with stack_factory(tmp_path)(tenants=[{"name": "t"}]) as stack:
         # One success and one rejected descriptor bring out every labelled series.
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
         arm(stack.engine("p0"), phase="prefill", descriptor="missing_engine_id", times=1)
@@ -128,7 +129,7 @@ def test_the_dashboard_names_only_exported_metrics(exported: Exported) -> None:
 def test_the_dashboard_has_an_overview_and_a_row_per_engine() -> None:
     dashboard = json.loads((DASHBOARDS / "grafana-narwhal.json").read_text())
     variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "model", "engine"} <= variables
+    assert {"datasource", "model", "tenant", "engine"} <= variables
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
     assert [r["title"] for r in rows] == ["Fleet overview", "Engine $engine"]
     assert rows[1]["repeat"] == "engine"
@@ -176,6 +177,29 @@ def test_the_model_variable_filters_every_request_panel(exported: Exported) -> N
                 assert 'model=~"$model"' in selector[1], expr
                 filtered += 1
     assert filtered >= len(REQUEST_SERIES)
+
+
+TENANT_SERIES = (
+    "narwhal_tenant_requests_total",
+    "narwhal_tenant_refusals_total",
+    "narwhal_tenant_queue_wait_seconds_bucket",
+)
+
+
+def test_the_tenant_variable_filters_the_per_tenant_panels(exported: Exported) -> None:
+    dashboard = json.loads((DASHBOARDS / "grafana-narwhal.json").read_text())
+    tenant = {v["name"]: v for v in dashboard["templating"]["list"]}["tenant"]
+    assert tenant["definition"].startswith("label_values(narwhal_tenant_requests_total")
+    assert tenant["definition"].endswith(", tenant)")
+    assert tenant["includeAll"] and tenant["allValue"] == ".*"
+    used = set()
+    for expr in expressions(dashboard["panels"]):
+        for name, selector in re.findall(r"(\w+)\{([^}]*)\}", expr):
+            if name.startswith("narwhal_tenant_"):
+                assert "tenant" in exported[name], name
+                assert 'tenant=~"$tenant"' in selector, expr
+                used.add(name)
+    assert used == set(TENANT_SERIES)
 
 
 def test_the_alert_rules_name_only_exported_metrics(exported: Exported) -> None:

@@ -8,5 +8,6 @@
 - `workers`: a router of several worker processes;
 - `real`: a real router in front of real vLLM engines on the CPU (tests/real);
 - `fidelity`: the cases the simulator is held to, and the recorder of real vLLM's answers
-  (`make record-vllm` runs it as a script).
+  (`make record-vllm` runs it as a script);
+- `tenants`: a router with `[[tenants]]`, its admission reachable as observers see it.
 """

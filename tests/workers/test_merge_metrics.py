@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from narwhal.protocol.bodies import Endpoint
+from narwhal.router.call import Call, Stage
 from narwhal.workers.merge_metrics import Families, merge_expositions
+from support.tenants import admission, tenant_router
 
 
 def exposition(requests: int, in_flight: int, state: int, ttft: list[float]) -> str:
@@ -74,3 +80,24 @@ def samples_with_retired(
         for family in merge_expositions(texts, retired)
         for sample in family.samples
     }
+
+
+async def test_the_tenant_series_of_every_worker_add_up() -> None:
+    workers = [tenant_router([{"name": "search", "max_concurrent": 8}]) for _ in range(2)]
+    for held, router in zip((1, 2), workers, strict=True):
+        served = Call("r", None, Endpoint.COMPLETIONS, 10.0, 20.0, tenant="search")
+        served.status, served.output_tokens = 200, 5
+        served.spent = {Stage.QUEUED: 0.05 * held}
+        router.metrics.observe(served, now=11.0)
+        for _ in range(held):
+            admission(router).limits.admit("search", 10, time.monotonic())
+    # Each worker's limits here are its own store; in a router they share one, and each
+    # worker still shows only its own requests, so that the sum is the router's.
+    merged = samples([router.metrics.render(None)[0].decode() for router in workers])
+    search = (("tenant", "search"),)
+    assert merged[("narwhal_tenant_requests_total", (("outcome", "ok"), *search))] == 2
+    assert merged[("narwhal_tenant_tokens_total", (("kind", "output"), *search))] == 10
+    assert merged[("narwhal_tenant_queue_wait_seconds_count", search)] == 2
+    assert merged[("narwhal_tenant_queue_wait_seconds_sum", search)] == pytest.approx(0.15)
+    assert merged[("narwhal_tenant_requests_in_flight", search)] == 3
+    assert merged[("narwhal_tenant_requests_queued", search)] == 0

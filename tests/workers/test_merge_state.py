@@ -194,3 +194,48 @@ def test_pools_list_every_workers_engines_and_count_the_merged_admitted() -> Non
     assert merged["n"]["admitted"] == {"prefill": 0, "decode": 1}
     # The workers' own views are left as they were.
     assert first["models"]["m"]["adapters"] == {"sql": ["d0"]}
+
+
+def tenant(in_flight: int | None, here: int, queued: int, **levels: float | None) -> Any:
+    """One worker's view of a tenant, as `observe.state` shows it."""
+    return {
+        "priority": 1,
+        "weight": 2.0,
+        "default": False,
+        "limits": {"max_concurrent": 8, "requests_per_minute": 60},
+        "share": {"max_concurrent": 8, "requests_per_minute": 60, "tokens_per_minute": None},
+        "in_flight": in_flight,
+        "in_flight_here": here,
+        "queued": queued,
+        "requests_level": levels.get("requests"),
+        "tokens_level": None,
+        "mean_duration_s": levels.get("duration"),
+    }
+
+
+def test_tenants_add_up_what_each_worker_holds_and_show_the_shared_store_once() -> None:
+    first = snapshot(1, [engine()], None)
+    second = snapshot(2, [engine()], None)
+    first["tenants"] = {
+        "search": tenant(5, 2, 1, requests=40.5, duration=0.8),
+        "batch": tenant(None, 1, 4),
+    }
+    second["tenants"] = {"search": tenant(5, 3, 0, requests=39.0, duration=1.2)}
+    first["recent"]["tenants"] = {"search": {"requests": 3, "outcomes": {"ok": 3}, "refused": 0}}
+    second["recent"]["tenants"] = {
+        "search": {"requests": 2, "outcomes": {"ok": 1, "client_error": 1}, "refused": 1}
+    }
+    merged = merge_states({0: first, 1: second})
+    search = merged["tenants"]["search"]
+    # The store's count is the router's: every worker read it, none adds to it.
+    assert (search["in_flight"], search["in_flight_here"], search["queued"]) == (5, 5, 1)
+    assert search["requests_level"] == 39.0 and search["tokens_level"] is None
+    assert search["mean_duration_s"] == 1.2
+    assert (search["priority"], search["weight"], search["limits"]["max_concurrent"]) == (1, 2, 8)
+    # A tenant only one worker lists (a reload under way) is shown as that worker has it.
+    assert merged["tenants"]["batch"] == tenant(None, 1, 4)
+    assert merged["recent"]["tenants"] == {
+        "search": {"requests": 5, "outcomes": {"ok": 4, "client_error": 1}, "refused": 1}
+    }
+    # Workers without tenants merge without the section.
+    assert "tenants" not in merge_states({0: snapshot(1, [engine()], None)})

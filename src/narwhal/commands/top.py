@@ -24,6 +24,17 @@ COLUMNS = (
     ("ABANDONED", 10),
     ("PINNED", 7),
 )
+# Tenant table columns (with `[[tenants]]`): heading, width.
+TENANT_COLUMNS = (
+    ("TENANT", 16),
+    ("BAND", 6),
+    ("WEIGHT", 8),
+    ("IN FLIGHT", 11),
+    ("QUEUED", 10),
+    ("OK", 8),
+    ("REFUSED", 9),
+    ("LIMITS", 48),
+)
 # Failure counts per engine and cause, as `/narwhal/state` reports them.
 Failures = Mapping[str, Mapping[str, int]]
 
@@ -58,6 +69,7 @@ def render(
         lines += _router(state)
         lines += _requests(state.get("recent"))
         lines += _models(state.get("models"))
+        lines += _tenants(state)
         lines.append("")
         lines += _engines(state["engines"])
         lines += _recent_failures(state, before or {})
@@ -139,6 +151,79 @@ def _models(models: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def _tenants(state: Mapping[str, Any]) -> list[str]:
+    """With tenants: one row per tenant, its band, weight, requests in flight and queued
+    (out of its caps), recent outcomes and refusals, and its per-minute buckets' levels
+    out of their limits; nothing without."""
+    tenants: Mapping[str, Any] | None = state.get("tenants")
+    if not tenants:
+        return []
+    recent = state.get("recent") or {}
+    seen = recent.get("tenants") or {}
+    minutes = round(recent.get("window_s", 300) / 60)
+    default = next((name for name, tenant in tenants.items() if tenant.get("default")), None)
+    lines = [
+        "",
+        f"tenants (ok and refused: last {minutes} min)"
+        + (f" · default {default}" if default else ""),
+    ]
+    rows = [[heading for heading, _ in TENANT_COLUMNS]]
+    for name, tenant in tenants.items():
+        limits = tenant.get("limits") or {}
+        share = tenant.get("share") or {}
+        here = seen.get(name) or {}
+        in_flight = tenant.get("in_flight")
+        rows.append(
+            [
+                name,
+                str(tenant.get("priority", 0)),
+                f"{tenant.get('weight', 1):g}",
+                _of(
+                    tenant.get("in_flight_here", 0) if in_flight is None else in_flight,
+                    share.get("max_concurrent") or limits.get("max_concurrent"),
+                ),
+                _of(tenant.get("queued", 0), limits.get("max_queued")),
+                str((here.get("outcomes") or {}).get("ok", 0)),
+                str(here.get("refused", 0)),
+                _tenant_limits(tenant),
+            ]
+        )
+    return lines + [_row(row, TENANT_COLUMNS) for row in rows]
+
+
+def _tenant_limits(tenant: Mapping[str, Any]) -> str:
+    """Its per-minute buckets as level/limit (this router's share), and its objective."""
+    limits = tenant.get("limits") or {}
+    share = tenant.get("share") or {}
+    parts = []
+    for label, key, level in (
+        ("rpm", "requests_per_minute", "requests_level"),
+        ("tpm", "tokens_per_minute", "tokens_level"),
+    ):
+        limit = share.get(key) or limits.get(key)
+        if limit is not None:
+            parts.append(f"{label} {_amount(tenant.get(level))}/{_amount(limit)}")
+    objective = limits.get("ttft_objective_s")
+    if objective is not None:
+        parts.append(f"ttft {_seconds(objective)}")
+    return " · ".join(parts) or "-"
+
+
+def _of(count: int, cap: int | None) -> str:
+    return str(count) if cap is None else f"{count}/{cap}"
+
+
+def _amount(value: float | None) -> str:
+    """A bucket level or limit: whole units, thousands as k."""
+    if value is None:
+        return "-"
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return str(int(value))
+
+
 def _engines(engines: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = [[heading for heading, _ in COLUMNS]]
     for engine in engines:
@@ -186,9 +271,9 @@ def _recent_failures(state: Mapping[str, Any], before: Failures) -> list[str]:
     return ["", "recent failures", *(lines or ["  none"])]
 
 
-def _row(cells: Sequence[str]) -> str:
+def _row(cells: Sequence[str], columns: Sequence[tuple[str, int]] = COLUMNS) -> str:
     out = []
-    for (_, width), cell in zip(COLUMNS, cells, strict=True):
+    for (_, width), cell in zip(columns, cells, strict=True):
         out.append(_fit(cell, width - 1).ljust(width))
     return "".join(out).rstrip()
 

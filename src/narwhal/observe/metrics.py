@@ -11,6 +11,10 @@ The per-request series carry `model` (the pool's base model) and `adapter` (its 
 adapter, "" for the base weights). Each (model, adapter) pair's series are made the first
 time it is seen and kept (`ModelSeries`), so a request costs two dict lookups more than
 an unlabelled series would, and nothing is built for it.
+
+With `[[tenants]]`, a request that has a tenant also counts into its tenant's series
+(`observe.tenant_metrics`); one without (every request, without tenants) pays one
+`is None` test for them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from narwhal.control.controller import MOVE_REASONS
 from narwhal.engines.handoff import DescriptorRejected
 from narwhal.fleet.table import EngineState, Phase
 from narwhal.observe.loop_histogram import LoopHistogram, LoopHistogramFamily
+from narwhal.observe.tenant_metrics import TenantMetrics
 from narwhal.protocol.errors import Cause
 from narwhal.router.call import outcome_of
 from narwhal.runtime.background import Spawn
@@ -230,6 +235,9 @@ class RouterMetrics:
             f"How late a {LAG_INTERVAL_S:g} s sleep wakes on the router's event loop.",
             LAG_BUCKETS,
         )
+        # Per tenant, for requests that have one (and their gauges, read when scraped).
+        self.tenants = TenantMetrics(registry, router, LATENCY_BUCKETS)
+        self.histograms.append(self.tenants.queue_wait)
         registry.register(_ScrapeTimeCollector(router))
         registry.register(_LoopHistograms(self.histograms))
         self._lag_task: asyncio.Task[None] | None = None
@@ -295,6 +303,8 @@ class RouterMetrics:
         for error in call.errors:
             if isinstance(error, DescriptorRejected):
                 self.descriptor_rejections.labels(error.defect.value).inc()
+        if call.tenant is not None:
+            self.tenants.observe(call, call.tenant)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition in the format the scraper accepts, and its content type."""

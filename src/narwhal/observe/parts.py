@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from narwhal.config.root import Config
+from narwhal.config.tenants import TenantConfig, TenantsPolicy
 from narwhal.control.loop import ControlLoop
 from narwhal.engines.client import EngineClient
 from narwhal.engines.kv_events import KvEventFeeds
@@ -43,3 +45,24 @@ class Observed(Protocol):
     def discovery(self) -> FleetDiscovery | None: ...
     @property
     def kv_events(self) -> KvEventFeeds: ...
+    # Tenants' admission; None without `[[tenants]]`.
+    @property
+    def admission(self) -> AdmissionSeen | None: ...
+
+
+class TenantLimitsSeen(Protocol):
+    """What the observers read of tenants' limits (`tenants.limits.TenantLimits`)."""
+
+    def state(self, now: float) -> dict[str, Any]: ...
+
+
+class AdmissionSeen(Protocol):
+    """What the observers read of tenants' admission (`router.admission.Admission`): each
+    tenant's settings, the policy, and the limits' state (on `time.monotonic()`)."""
+
+    @property
+    def tenants(self) -> Mapping[str, TenantConfig]: ...
+    @property
+    def policy(self) -> TenantsPolicy: ...
+    @property
+    def limits(self) -> TenantLimitsSeen: ...

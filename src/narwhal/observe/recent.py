@@ -1,7 +1,8 @@
 """The last few minutes of finished requests, for the fleet page.
 
 Fed once per request; memory is bounded by time buckets for counts and by a fixed number
-of latency samples, so a busy router keeps the percentiles of its latest requests.
+of latency samples, so a busy router keeps the percentiles of its latest requests. With
+`[[tenants]]`, each tenant's requests are counted by outcome too, and its refusals.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 WINDOW_S = 300.0
 BUCKET_S = 10.0
 MAX_SAMPLES = 2048
+# Counted per tenant beside its outcomes (no outcome is spelt so).
+REFUSED = "refused"
 
 
 class RecentCalls:
@@ -28,9 +31,10 @@ class RecentCalls:
     ) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
-        # (bucket number, outcome counts, handoff kinds), oldest first.
-        self._buckets: deque[tuple[int, Counter[str], Counter[str]]] = deque(
-            maxlen=math.ceil(window_s / bucket_s) + 1
+        # (bucket number, outcome counts, handoff kinds, (tenant, outcome or "refused")
+        # counts), oldest first.
+        self._buckets: deque[tuple[int, Counter[str], Counter[str], Counter[tuple[str, str]]]] = (
+            deque(maxlen=math.ceil(window_s / bucket_s) + 1)
         )
         # (end time, ttft_s, first_byte_s) of requests that reached those points.
         self._samples: deque[tuple[float, float | None, float | None]] = deque(maxlen=max_samples)
@@ -38,33 +42,40 @@ class RecentCalls:
     def add(self, call: Call, now: float) -> None:
         number = int(now // self.bucket_s)
         if not self._buckets or self._buckets[-1][0] != number:
-            self._buckets.append((number, Counter(), Counter()))
-        self._buckets[-1][1][call.outcome] += 1
+            self._buckets.append((number, Counter(), Counter(), Counter()))
+        bucket = self._buckets[-1]
+        bucket[1][call.outcome] += 1
         if call.handoff is not None:
-            self._buckets[-1][2][call.handoff] += 1
+            bucket[2][call.handoff] += 1
+        if call.tenant is not None:
+            bucket[3][call.tenant, call.outcome] += 1
+            if call.refusal is not None:
+                bucket[3][call.tenant, REFUSED] += 1
         if call.ttft_s is not None:
             self._samples.append((now, call.ttft_s, call.first_byte_s))
 
     def summary(self, now: float) -> dict[str, Any]:
         """Rate, outcomes, handoff kinds, ttft and first-byte percentiles, and a per-bucket
-        series."""
+        series; with tenants, `tenants`: each tenant's requests, outcomes and refusals."""
         current = int(now // self.bucket_s)
         first = current - math.ceil(self.window_s / self.bucket_s) + 1
-        counts = {number: outcomes for number, outcomes, _ in self._buckets if number >= first}
+        counts = {number: outcomes for number, outcomes, _, _ in self._buckets if number >= first}
         outcomes: Counter[str] = Counter()
         for bucket in counts.values():
             outcomes.update(bucket)
         handoffs: Counter[str] = Counter()
-        for number, _, kinds in self._buckets:
+        by_tenant: Counter[tuple[str, str]] = Counter()
+        for number, _, kinds, tenants in self._buckets:
             if number >= first:
                 handoffs.update(kinds)
+                by_tenant.update(tenants)
         total = sum(outcomes.values())
         # The rate covers the time since the window's first request, at least one bucket.
         oldest = min(counts, default=current) * self.bucket_s
         span = max(self.bucket_s, now - oldest)
         since = now - self.window_s
         samples = [s for s in self._samples if s[0] >= since]
-        return {
+        summary: dict[str, Any] = {
             "window_s": self.window_s,
             "bucket_s": self.bucket_s,
             "requests": total,
@@ -79,6 +90,23 @@ class RecentCalls:
                 for number in range(first, current + 1)
             ],
         }
+        if by_tenant:
+            summary["tenants"] = _tenants(by_tenant)
+        return summary
+
+
+def _tenants(counts: Counter[tuple[str, str]]) -> dict[str, Any]:
+    """Per tenant: its requests, their outcomes, and how many were refused (429 or 503,
+    with a `Call.refusal`)."""
+    tenants: dict[str, Any] = {}
+    for (tenant, word), count in sorted(counts.items()):
+        entry = tenants.setdefault(tenant, {"requests": 0, "outcomes": {}, "refused": 0})
+        if word == REFUSED:
+            entry["refused"] += count
+        else:
+            entry["requests"] += count
+            entry["outcomes"][word] = count
+    return tenants
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:

@@ -6,19 +6,21 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from narwhal.config.tenants import TenantConfig
 from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE
 from narwhal.fleet.table import Engine, Phase
 from narwhal.router.abandoned import AbandonedHandoffs
 
 if TYPE_CHECKING:
-    from narwhal.observe.parts import Observed
+    from narwhal.observe.parts import AdmissionSeen, Observed
 
 
 def snapshot(router: Observed) -> dict[str, Any]:
     """Each engine's standing, seats, breaker and failures; the queue, budget and recent
-    requests. Read by operators and the fleet page; never on the request path."""
+    requests; with `[[tenants]]`, each tenant's. Read by operators and the fleet page;
+    never on the request path."""
     now = asyncio.get_running_loop().time()
-    return {
+    state: dict[str, Any] = {
         "model": router.config.model,
         "in_flight": router.in_flight,
         "queued": router.fleet.queued,
@@ -55,6 +57,56 @@ def snapshot(router: Observed) -> dict[str, Any]:
         ),
         "placement": _placement(router),
     }
+    admission = router.admission
+    if admission is not None:
+        state["tenants"] = tenants(router, admission)
+    return state
+
+
+def tenants(router: Observed, admission: AdmissionSeen) -> dict[str, Any]:
+    """Per tenant: its settings (band, weight, whether it is the default tenant, its
+    limits as configured and as this router's share), its requests in flight (`in_flight`:
+    the whole router's, counted in the limits' store, None for a tenant without limits;
+    `in_flight_here`: this process's), queued here, its buckets' levels now (None without
+    that limit) and its recent mean request duration. The last minutes' outcomes per
+    tenant are in `recent.tenants`."""
+    limits = admission.limits.state(time.monotonic())
+    queued = router.fleet.queued_by_tenant()
+    default = admission.policy.default
+    shown: dict[str, Any] = {}
+    for name, config in admission.tenants.items():
+        held = limits.get(name) or {}
+        shown[name] = {
+            **tenant_settings(config),
+            "default": name == default,
+            "share": held.get("share"),
+            "in_flight": held.get("in_flight"),
+            "in_flight_here": held.get("in_flight_here", 0),
+            "queued": queued.get(name, 0),
+            "requests_level": held.get("requests_level"),
+            "tokens_level": held.get("tokens_level"),
+            "mean_duration_s": _rounded(held.get("mean_duration_s")),
+        }
+    return shown
+
+
+def tenant_settings(config: TenantConfig) -> dict[str, Any]:
+    """A tenant's band, weight and limits as configured (or changed since)."""
+    return {
+        "priority": config.priority,
+        "weight": config.weight,
+        "limits": {
+            "max_concurrent": config.max_concurrent,
+            "max_queued": config.max_queued,
+            "requests_per_minute": config.requests_per_minute,
+            "tokens_per_minute": config.tokens_per_minute,
+            "ttft_objective_s": config.ttft_objective_s,
+        },
+    }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def models(router: Observed, now: float) -> dict[str, Any]:

@@ -38,6 +38,9 @@ ADDITIVE_GAUGES = frozenset(
         "narwhal_retry_budget_credit",
         "narwhal_engine_seats_in_use",
         "narwhal_engine_abandoned_pinned_blocks",
+        # Each worker's own (`observe.tenant_metrics`), not the shared store's count.
+        "narwhal_tenant_requests_in_flight",
+        "narwhal_tenant_requests_queued",
     }
 )
 

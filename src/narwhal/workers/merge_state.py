@@ -24,6 +24,11 @@ and shows where their judgments differ:
 |                                         |   every worker keeps a prefix index of its own |
 | models: each pool's engines by phase,   | every worker's, in order; admitted: the merged |
 |   adapters and their holders            |   engines admitted; can_serve, degraded: any   |
+| tenants: in flight here, queued         | sum                                            |
+| tenants: in flight (the shared store's) | max (each worker read the same count)          |
+| tenants: bucket levels                  | min (the same buckets, read at other instants) |
+| tenants: mean request duration          | max                                            |
+| tenants: settings and limits            | the first worker's that lists the tenant       |
 
 Pure: the workers' snapshots in, one snapshot out.
 """
@@ -31,7 +36,7 @@ Pure: the workers' snapshots in, one snapshot out.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # Most severe first: a state some worker holds ranks the engine among the out.
@@ -43,7 +48,7 @@ def merge_states(snapshots: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     parts = [snapshots[worker] for worker in sorted(snapshots)]
     first = parts[0]
     engines = _merge_engines({w: snapshots[w]["engines"] for w in sorted(snapshots)})
-    return {
+    merged = {
         **first,
         "in_flight": _sum(parts, "in_flight"),
         "queued": _sum(parts, "queued"),
@@ -57,6 +62,38 @@ def merge_states(snapshots: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "models": merge_models([part.get("models") or {} for part in parts], engines),
         "placement": merge_placement({w: snapshots[w]["placement"] for w in sorted(snapshots)}),
     }
+    tenants = [part["tenants"] for part in parts if part.get("tenants") is not None]
+    if tenants:
+        merged["tenants"] = merge_tenants(tenants)
+    return merged
+
+
+def merge_tenants(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The workers' tenants sections: what each worker holds (its requests, its queue)
+    summed; what they share (the limits' store) shown once; every tenant any lists."""
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, entry in part.items():
+            into = merged.get(name)
+            if into is None:
+                merged[name] = dict(entry)
+                continue
+            into["in_flight_here"] = into.get("in_flight_here", 0) + entry.get("in_flight_here", 0)
+            into["queued"] = into.get("queued", 0) + entry.get("queued", 0)
+            into["in_flight"] = _known(max, into.get("in_flight"), entry.get("in_flight"))
+            for key in ("requests_level", "tokens_level"):
+                into[key] = _known(min, into.get(key), entry.get(key))
+            into["mean_duration_s"] = _known(
+                max, into.get("mean_duration_s"), entry.get("mean_duration_s")
+            )
+    return merged
+
+
+def _known(pick: Callable[[Any, Any], Any], first: Any, second: Any) -> Any:
+    """`pick` of the two where both are known (not None), else the one that is."""
+    if first is None or second is None:
+        return second if first is None else first
+    return pick(first, second)
 
 
 def merge_models(

@@ -234,6 +234,74 @@ function roleText(engine) {
   return acting(engine) === engine.role ? engine.role : `${engine.role}: ${acting(engine)}`;
 }
 
+// A count out of its cap, when there is one.
+function ofCap(count, cap) {
+  return cap === null || cap === undefined ? `${count}` : `${count}/${cap}`;
+}
+
+// A bucket's level or limit: whole units, thousands as k.
+function amount(value) {
+  if (value === null || value === undefined) return "–";
+  if (value >= 10000) return `${Math.round(value / 1000)}k`;
+  if (value >= 1000) return `${(value / 1000).toFixed(1)}k`;
+  return `${Math.floor(value)}`;
+}
+
+// A tenant's per-minute buckets, level out of this router's share of the limit, and its
+// time-to-first-token objective.
+function tenantLimits(tenant) {
+  const limits = tenant.limits || {};
+  const share = tenant.share || {};
+  const parts = [];
+  for (const [label, key, level] of [["rpm", "requests_per_minute", "requests_level"], ["tpm", "tokens_per_minute", "tokens_level"]]) {
+    const limit = share[key] ?? limits[key];
+    if (limit !== null && limit !== undefined) parts.push(`${label} ${amount(tenant[level])}/${amount(limit)}`);
+  }
+  if (limits.ttft_objective_s !== null && limits.ttft_objective_s !== undefined) parts.push(`ttft ${seconds(limits.ttft_objective_s)}`);
+  return parts.join(" · ") || "–";
+}
+
+// With tenants: one row each, its band, weight, requests in flight and queued (out of its
+// caps), the last minutes' ok and refused requests, and its buckets; hidden without.
+function renderTenants(state) {
+  const section = document.getElementById("tenants");
+  const tenants = Object.entries(state.tenants || {});
+  if (!tenants.length) {
+    section.hidden = true;
+    return;
+  }
+  section.hidden = false;
+  const recent = (state.recent && state.recent.tenants) || {};
+  const fallback = tenants.find(([, t]) => t.default);
+  const minutes = state.recent ? Math.round(state.recent.window_s / 60) : 5;
+  text("tenants-note", `ok and refused: last ${minutes} min${fallback ? ` · default ${fallback[0]}` : ""}`);
+  document.getElementById("tenant-rows").replaceChildren(
+    ...tenants.map(([name, tenant]) => {
+      const limits = tenant.limits || {};
+      const share = tenant.share || {};
+      const seen = recent[name] || {};
+      const inFlight = tenant.in_flight ?? tenant.in_flight_here ?? 0;
+      const cells = [
+        ["name", name],
+        ["band", `${tenant.priority ?? 0}`],
+        ["weight", `${tenant.weight ?? 1}`],
+        ["in-flight", ofCap(inFlight, share.max_concurrent ?? limits.max_concurrent)],
+        ["queued", ofCap(tenant.queued ?? 0, limits.max_queued)],
+        ["ok", `${(seen.outcomes || {}).ok || 0}`],
+        ["refused", `${seen.refused || 0}`],
+        ["limits", tenantLimits(tenant)],
+      ];
+      return el(
+        "tr",
+        { "data-tenant": name },
+        ...cells.map(([field, value]) =>
+          el("td", { "data-field": field, class: field === "refused" && seen.refused ? "recent-failure" : "" }, value),
+        ),
+      );
+    }),
+  );
+}
+
 // The role controller, when enabled: its split, last decision and recent role changes.
 function renderController(controller) {
   const section = document.getElementById("controller");
@@ -298,6 +366,7 @@ function render(state) {
   text("credit", `${Math.floor(state.retry_budget.credit)}/${state.retry_budget.size}`);
   text("continued", `${state.continuation.continued}`);
   if (state.recent) renderRecent(state.recent);
+  renderTenants(state);
   renderController(state.controller);
   renderEngines(state, before);
   const status = document.getElementById("status");
