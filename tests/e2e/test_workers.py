@@ -195,3 +195,22 @@ async def test_two_workers_keep_every_engine_within_its_seat_limits(tmp_path: Pa
             assert max(peak[e] for e in fleet.engines[1:]) == 3, peak
             lines = await served.journal_lines(60)
             assert {line["worker"] for line in lines} == {0, 1}
+
+
+async def test_a_tenants_per_minute_limit_holds_for_the_whole_router(tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    options = [replace(FAST, name=name) for name, _ in ROLES]
+    tenants = '[[tenants]]\nname = "batch"\nrequests_per_minute = 12\n'
+    policy = '[tenants_policy]\ndefault = "batch"\n'
+    async with SimFleet(options) as fleet:
+        config = fleet_toml(fleet, ROLES, journal, extra=tenants + policy)
+        async with serve_workers(tmp_path, config, 2, journal) as served:
+            results = await asyncio.gather(*(post_fresh(served.url, BODY) for _ in range(36)))
+            statuses = [status for status, _ in results]
+            # One bucket for both workers: its 12, and at most one more refilled (one every
+            # 5 s) while the requests arrive; per worker, each would have let 12 through.
+            assert 12 <= statuses.count(200) <= 13, statuses
+            assert statuses.count(429) == 36 - statuses.count(200)
+            lines = await served.journal_lines(36)
+            assert {line["worker"] for line in lines if line["status"] == 429} == {0, 1}
+            assert {line["tenant"] for line in lines} == {"batch"}
