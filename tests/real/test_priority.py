@@ -7,6 +7,11 @@ serves a prefill leg for the session's consumer and a decode leg from the sessio
 producer. It takes both legs with `priority` set, and a request queued later with a lower
 priority is served before one queued earlier: the field reaches the scheduler.
 
+Through the router, with two tenants (`batch` in band 5, `chat` in band -5) and
+`[tenants_policy] engine_priority`, the later chat request is served before the earlier
+batch one at q0's seat: the band reaches the engine on both legs. Without the policy the
+same two requests are served in arrival order.
+
 An engine started without the policy (vLLM's default, `fcfs`) does not refuse a non-zero
 priority: vLLM 0.32 answers 200 and ignores it (its V0 engine refused one). Both validate
 the field alike, as a 64-bit integer.
@@ -15,14 +20,19 @@ the field alike, as a 64-bit integer.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
+from narwhal.app.server import RouterServer
+from narwhal.config.root import parse_config
+from narwhal.config.secrets import load_secrets
 from narwhal.protocol.descriptor import prefill_request_params
 from narwhal.tools.vllm_fleet import VllmEngine, VllmFleet, VllmOptions
 from support.real import (
@@ -44,6 +54,13 @@ PULLED = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer")
 # Long enough to hold q0's one seat while two more requests queue behind it (about 15 s on
 # an idle 2-core machine), short enough for the tiny model's 2,048-token context.
 HOLD_TOKENS = 1900
+# Two tenants through the router: a band each, lower first. Their clients ask for their own
+# `priority` too, each pulling against the order the test expects (see the test).
+KEYS = {"batch": "sk-batch-real-1111", "chat": "sk-chat-real-2222"}
+TENANTS = [
+    {"name": "batch", "api_keys": [KEYS["batch"]], "priority": 5},
+    {"name": "chat", "api_keys": [KEYS["chat"]], "priority": -5},
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -114,18 +131,14 @@ async def test_a_later_request_with_a_lower_priority_is_served_first(q0: VllmEng
     first_tokens: dict[int, float] = {}
     queued: list[asyncio.Task[None]] = []
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-    body = {"model": MODEL, **greedy(0, max_tokens=HOLD_TOKENS, ignore_eos=True, stream=True)}
     async with aiohttp.ClientSession(timeout=timeout) as http:
         try:
-            async with http.post(q0.url + "/v1/completions", json=body) as holder:
-                assert holder.status == 200
-                await holder.content.readline()  # its first token: it runs
+            async with seat_held(http, q0):
                 for priority in (5, -5):
                     queued.append(
                         asyncio.create_task(first_token_at(http, q0, priority, first_tokens))
                     )
                     await until_waiting(q0, len(queued))
-            # Leaving the block closed the holder's connection: vLLM aborts it.
             async with asyncio.timeout(CLIENT_TIMEOUT_S):
                 await asyncio.gather(*queued)
         finally:
@@ -170,3 +183,109 @@ async def test_an_engine_without_priority_scheduling_ignores_a_priority(
     assert status == 400
     assert (answer["error"]["type"], answer["error"]["param"]) == ("Bad Request", "body.priority")
     assert "int_from_float" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("engine_priority", [True, False], ids=["engine_priority", "without"])
+async def test_through_the_router_a_tenants_band_orders_the_engines_queue(
+    real: RealStack, q0: VllmEngine, engine_priority: bool
+) -> None:
+    """q0 alone behind a router, in role `both`: it serves both legs of each request (the
+    decode from its own prefix cache, no KV transfer), so both legs wait for its one seat.
+    The seat is held; a batch request, then a chat request, go through the router, which
+    seats both at once (q0's router seats, 64 and 256 by default, are far from full), so
+    that both prefill legs wait in q0's own queue, and the order they are served in is q0's
+    scheduler's, not the router's (which would also put chat first). The seat is freed.
+
+    With `engine_priority` chat (band -5) gets its first token first; its decode leg then
+    takes the seat for its whole answer before batch's decode can start. Without it the
+    router sends no priority and q0 serves in arrival order: batch first.
+
+    Each client also sends a `priority` of its own, pulling against the expected order
+    (the tenant expected second asks for -10): the router overrides it with the band, or
+    drops it, and a router passing it on would fail this test either way."""
+    expected = ["chat", "batch"] if engine_priority else ["batch", "chat"]
+    own = {expected[0]: 10, expected[1]: -10}
+    journal = real.fleet.options.log_dir / "priority" / f"journal-{engine_priority}.jsonl"
+    config = parse_config(
+        {
+            "model": MODEL,
+            "engine": {
+                "first_token_timeout_s": 60.0,
+                "decode_read_timeout_s": 60.0,
+                "metrics_interval_s": 0,
+                "kv_lease_s": KV_LEASE_S,
+            },
+            "journal": {"path": str(journal)},
+            "tenants": TENANTS,
+            "tenants_policy": {"engine_priority": engine_priority},
+            "engines": [{"id": q0.name, "url": q0.url, "role": "both", "model": MODEL}],
+        },
+        source="tests/real (tenant priority)",
+    )
+    status, alone = await post(q0, greedy(0))
+    assert status == 200, alone
+    first_tokens: dict[str, float] = {}
+    texts: dict[str, str] = {}
+    sent: list[asyncio.Task[None]] = []
+    server = RouterServer(config, port=0, secrets=load_secrets(config, {}))
+    await server.start()
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            try:
+                async with seat_held(http, q0):
+                    for tenant in ("batch", "chat"):
+                        request = through(http, server, tenant, own[tenant], first_tokens, texts)
+                        sent.append(asyncio.create_task(request))
+                        await until_waiting(q0, len(sent))
+                async with asyncio.timeout(CLIENT_TIMEOUT_S):
+                    await asyncio.gather(*sent)
+            finally:
+                for task in sent:
+                    task.cancel()
+    finally:
+        await server.stop()
+    start = min(first_tokens.values())
+    after = {tenant: f"+{at - start:.2f} s" for tenant, at in first_tokens.items()}
+    assert sorted(first_tokens, key=first_tokens.__getitem__) == expected, after
+    assert texts == dict.fromkeys(("batch", "chat"), alone["choices"][0]["text"])
+    entries = [json.loads(line) for line in journal.read_text().splitlines()]
+    for tenant in ("batch", "chat"):
+        entry = next(e for e in entries if e.get("client_request_id") == f"priority-{tenant}")
+        seen = [entry[key] for key in ("tenant", "producer", "consumer", "handoff", "attempts")]
+        assert seen == [tenant, q0.name, q0.name, "same_worker", 1], entry
+
+
+@asynccontextmanager
+async def seat_held(http: aiohttp.ClientSession, engine: VllmEngine) -> AsyncIterator[None]:
+    """Hold a one-seat engine's seat with a long greedy stream while the block runs;
+    leaving it closes the stream's connection, which vLLM aborts, freeing the seat."""
+    body = {"model": MODEL, **greedy(0, max_tokens=HOLD_TOKENS, ignore_eos=True, stream=True)}
+    async with http.post(engine.url + "/v1/completions", json=body) as holder:
+        assert holder.status == 200
+        await holder.content.readline()  # its first token: it runs
+        yield
+
+
+async def through(
+    http: aiohttp.ClientSession,
+    server: RouterServer,
+    tenant: str,
+    priority: int,
+    seen: dict[str, float],
+    texts: dict[str, str],
+) -> None:
+    """A streamed greedy completion through the router with the tenant's key: when its
+    first token came, and its whole text."""
+    body = greedy(priority, stream=True) | {"model": MODEL}
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}", "X-Request-Id": f"priority-{tenant}"}
+    text = ""
+    async with http.post(server.url + "/v1/completions", json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                seen.setdefault(tenant, time.monotonic())
+                text += choice["text"]
+    texts[tenant] = text

@@ -54,8 +54,8 @@ class TenantsPolicy:
     # The tenant of requests whose key names none (every request when authentication is
     # off); None: such requests have no tenant, and no tenant's limits.
     default: str | None = None
-    # Send each request's band as vLLM's `priority` on both legs (the engines must run
-    # with `--scheduling-policy priority`, or they refuse a non-zero priority).
+    # Send each request's band as vLLM's `priority` on both legs (it orders an engine's
+    # queue only when the engine runs with `--scheduling-policy priority`).
     engine_priority: bool = False
 
 
