@@ -423,6 +423,25 @@ def test_a_full_queue_sheds_the_least_important_band_in_any_pool() -> None:
     assert queues.queued() == 3 and len(queues.pools["q"]) == 1
 
 
+def test_in_a_full_queue_a_lighter_tenant_of_the_band_takes_the_floods_newest_place() -> None:
+    queues: Queues[str, str] = Queues()
+    for n in range(4):
+        queues.admit(f"a{n}", "p" if n % 2 else "q", Claim("flood"), 0.0, 4)
+    shed = queues.admit("b0", "p", Claim("light"), 0.0, 4)
+    assert shed is not None and shed[0] == "a3"
+    error = shed[1]
+    assert (error.status, error.refusal) == (503, "shed")
+    assert error.message.startswith("shed: tenant `flood` held the most of the router's full queue")
+    assert queues.admit("b1", "q", Claim("light"), 0.0, 4) is not None
+    # Two each: the light tenant's next would leave it holding more than the flood.
+    with pytest.raises(NarwhalError) as caught:
+        queues.admit("b2", "p", Claim("light"), 0.0, 4)
+    assert caught.value.refusal == "queue_full"
+    # Weight counts: a tenant of weight 3 holds its share with three times the work.
+    assert queues.admit("c0", "p", Claim("heavy", weight=3.0, cost=2.0), 0.0, 4) is not None
+    assert queues.queued_by_tenant() == {"flood": 1, "light": 2, "heavy": 1}
+
+
 def test_a_weight_or_quantum_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="weight must be > 0"):
         Scheduler[str]().push("x", Claim("t", weight=0.0))

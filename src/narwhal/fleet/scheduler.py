@@ -297,6 +297,23 @@ class Scheduler(Generic[T]):
         self.remove(newest.item)
         return newest.item
 
+    def band_work(self, priority: int) -> dict[str, tuple[float, float]]:
+        """Per tenant queued in band `priority`: its queued work and its weight."""
+        band = self._bands.get(priority)
+        if band is None:
+            return {}
+        return {flow.tenant: (flow.work, flow.weight) for flow in band.active}
+
+    def displace_tenant(self, tenant: str, priority: int) -> T | None:
+        """Take out and return `tenant`'s newest item in band `priority`, if it has one."""
+        band = self._bands.get(priority)
+        flow = band.flows.get(tenant) if band is not None else None
+        if flow is None or not flow.entries:
+            return None
+        newest = flow.entries[-1].item
+        self.remove(newest)
+        return newest
+
     def least_important(self) -> int | None:
         """The least important band with an item queued (its priority), if any."""
         return self._order[-1] if self._order else None
@@ -499,7 +516,8 @@ class Queues(Generic[K, T]):
         self, claim: Claim, own: Scheduler[T], now: float, capacity: int
     ) -> tuple[T, NarwhalError] | None:
         """Take out the newest item of the least important band queued in any pool (this
-        pool's on a tie), if strictly less important than `claim`'s."""
+        pool's on a tie), if strictly less important than `claim`'s; else, within the
+        claim's own band, the newest item of the tenant most over its share (`_fair`)."""
         best: tuple[K, Scheduler[T]] | None = None
         lowest = claim.priority
         for key, scheduler in self.pools.items():
@@ -509,7 +527,7 @@ class Queues(Generic[K, T]):
             if best is None or least > lowest or (least == lowest and scheduler is own):
                 best, lowest = (key, scheduler), least
         if best is None:
-            return None
+            return self._fair(claim, own, now, capacity)
         key, scheduler = best
         victim = scheduler.displace(claim.priority)
         assert victim is not None  # its band is less important than the claim's
@@ -521,6 +539,48 @@ class Queues(Generic[K, T]):
             Cause.UNAVAILABLE,
             # When the rest of its band would be served, were it queued again.
             retry_after=_retry_after(self.wait(key, Claim(priority=lowest), now)),
+            refusal="shed",
+        )
+
+    def _fair(
+        self, claim: Claim, own_pool: Scheduler[T], now: float, capacity: int
+    ) -> tuple[T, NarwhalError] | None:
+        """In a full queue, a tenant's request takes the place of the newest request of
+        the tenant of its band with the most queued work per unit of weight, when that is
+        more than its own would be with this request: a flood fills the queue, but never
+        shuts a lighter tenant of its band out of it."""
+        work: dict[str, list[float]] = {}
+        for scheduler in self.pools.values():
+            for tenant, (queued, weight) in scheduler.band_work(claim.priority).items():
+                held = work.setdefault(tenant, [0.0, weight])
+                held[0] += queued
+        own = (work.get(claim.tenant, [0.0])[0] + claim.cost) / claim.weight
+        heavy = max(
+            (t for t in work if t != claim.tenant),
+            key=lambda t: work[t][0] / work[t][1],
+            default=None,
+        )
+        if heavy is None or work[heavy][0] / work[heavy][1] <= own:
+            return None
+        # From the pool where that tenant waits with the most work (this one's on a tie).
+        key, scheduler = max(
+            self.pools.items(),
+            key=lambda pool: (
+                pool[1].band_work(claim.priority).get(heavy, (0.0, 1.0))[0],
+                pool[1] is own_pool,
+            ),
+        )
+        victim = scheduler.displace_tenant(heavy, claim.priority)
+        assert victim is not None  # the tenant has work queued in that pool
+        return victim, NarwhalError(
+            503,
+            f"shed: tenant `{heavy}` held the most of the router's full queue ({capacity} "
+            f"requests; serving.queue_capacity) for its weight, and a request of a tenant "
+            "with less took this one's place",
+            Cause.UNAVAILABLE,
+            retry_after=_retry_after(
+                self.wait(key, Claim(tenant=heavy, priority=claim.priority), now)
+            ),
             refusal="shed",
         )
 
