@@ -10,6 +10,8 @@ Jobs:
 - `{"job": "idle", ...}`: open streams that stay open, answer once each has its first token
   or has failed (or the open deadline has passed), then hold them until the next line
   arrives (any line), and answer again.
+- `{"job": "tenants", ...}`: drive some tenants' load for a duration from a common start
+  (`narwhal.tools.goodput.tenant_load`); answers every request's record.
 
 The SSE parsing is deliberately minimal: split events, count those carrying generated text,
 note the time of the first one. Only the direct path parses JSON, once, for the prefill's
@@ -34,6 +36,8 @@ import orjson
 import uvloop
 
 from narwhal.protocol.descriptor import prefill_request_params
+from narwhal.tools.goodput.tenant_load import drive
+from narwhal.tools.goodput.tenants import TenantLoad
 
 PROMPT = (
     "Narwhals live in the cold waters of the Arctic, where they dive deep under the sea ice "
@@ -309,6 +313,24 @@ async def run_idle(job: dict[str, Any], lines: asyncio.StreamReader) -> None:
     _answer({"closed": True})
 
 
+async def run_tenants(job: dict[str, Any]) -> dict[str, Any]:
+    """Some tenants' load, from `start_at` for `duration_s`; every request's record."""
+    cpu_before, started = _cpu_s(), time.perf_counter()
+    records = await drive(
+        job["url"],
+        [TenantLoad.from_json(tenant) for tenant in job["tenants"]],
+        duration_s=job["duration_s"],
+        model=job["model"],
+        seed=job["seed"],
+        start_at=job["start_at"],
+    )
+    return {
+        "records": [record.to_row() for record in records],
+        "cpu_s": _cpu_s() - cpu_before,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
 def _answer(value: object) -> None:
     sys.stdout.buffer.write(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS) + b"\n")
     sys.stdout.buffer.flush()
@@ -324,6 +346,8 @@ async def _serve() -> None:
             _answer(asdict(await run_batch(job)))
         elif job["job"] == "idle":
             await run_idle(job, lines)
+        elif job["job"] == "tenants":
+            _answer(await run_tenants(job))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,15 +38,27 @@ class SimSettings:
     max_num_seqs: int
     num_kv_blocks: int
     max_model_len: int
+    # A preset of `narwhal sim --profile` for every timing instead of the two above (which
+    # then go unused), run `speed` times faster.
+    profile: str | None = None
+    speed: float = 1.0
+
+
+def _timing_flags(settings: SimSettings) -> list[str]:
+    if settings.profile is not None:
+        return ["--profile", settings.profile, "--speed", repr(settings.speed)]
+    return [
+        *("--inter-token-s", repr(settings.inter_token_s)),
+        *("--prefill-s-per-token", repr(settings.prefill_s_per_token)),
+        *("--request-overhead-s", "0", "--kv-pull-s-per-block", "0", "--slowdown-per-seq", "0"),
+    ]
 
 
 async def start_sim(name: str, port: int, settings: SimSettings, workdir: Path) -> tuple[Proc, str]:
     """One `narwhal sim` process; returns it with the URL it printed."""
     argv = [
         *(sys.executable, "-m", "narwhal", "sim", "--id", name, "--port", str(port)),
-        *("--inter-token-s", repr(settings.inter_token_s)),
-        *("--prefill-s-per-token", repr(settings.prefill_s_per_token)),
-        *("--request-overhead-s", "0", "--kv-pull-s-per-block", "0", "--slowdown-per-seq", "0"),
+        *_timing_flags(settings),
         *("--max-num-seqs", str(settings.max_num_seqs)),
         *("--num-kv-blocks", str(settings.num_kv_blocks)),
         *("--max-model-len", str(settings.max_model_len)),
@@ -92,11 +104,15 @@ def narwhal_config(
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
     settings: Settings | None = None,
+    tenants: Sequence[Mapping[str, object]] = (),
+    decode_seats: int = 0,
 ) -> str:
     """A fleet file for the two engines. Seats are unlimited, as the peers have no seat limit;
     idle streams need the silence check off and room to open thousands of first tokens.
     Tracing is off unless `traces_to` names an OTLP endpoint (the environment has no say).
-    `settings` adds keys (or overrides these), table by table."""
+    `settings` adds keys (or overrides these), table by table; `tenants` are `[[tenants]]`
+    entries; `decode_seats` limits the consumer's seats (0: unlimited), so that requests
+    wait in the router's queue rather than the engine's."""
     tracing: dict[str, object] = {"enabled": False}
     if traces_to:
         tracing = {"enabled": True, "endpoint": traces_to, "sample_ratio": sample_ratio}
@@ -113,23 +129,27 @@ def narwhal_config(
         tables.setdefault(table, {}).update(keys)
     engines = [
         {"id": "producer", "url": producer, "role": "prefill", "max_prefill_seats": 0},
-        {"id": "consumer", "url": consumer, "role": "decode", "max_decode_seats": 0},
+        {"id": "consumer", "url": consumer, "role": "decode", "max_decode_seats": decode_seats},
     ]
     lines = [f"model = {_toml(MODEL)}"]
     for table, keys in tables.items():
         lines += ["", f"[{table}]", *(f"{key} = {_toml(value)}" for key, value in keys.items())]
     for engine in engines:
         lines += ["", "[[engines]]", *(f"{key} = {_toml(value)}" for key, value in engine.items())]
+    for tenant in tenants:
+        lines += ["", "[[tenants]]", *(f"{key} = {_toml(value)}" for key, value in tenant.items())]
     return "\n".join(lines) + "\n"
 
 
 def _toml(value: object) -> str:
-    """A TOML scalar: JSON's spelling of strings and numbers is TOML's too."""
+    """A TOML scalar or array: JSON's spelling of strings and numbers is TOML's too."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str | int | float):
         return json.dumps(value)
-    raise TypeError(f"no TOML scalar for {value!r}")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    raise TypeError(f"no TOML value for {value!r}")
 
 
 async def start_narwhal(
@@ -143,7 +163,12 @@ async def start_narwhal(
     traces_to: str | None = None,
     sample_ratio: float = 1.0,
     settings: Settings | None = None,
+    tenants: Sequence[Mapping[str, object]] = (),
+    decode_seats: int = 0,
+    workers: int = 1,
 ) -> tuple[Proc, str]:
+    """`narwhal serve` over the two engines (`narwhal_config`), with `--workers` when
+    `workers` is more than 1; returns it once `/health` answers, with its URL."""
     port = free_port()
     config = workdir / f"{name}.toml"
     config.write_text(
@@ -156,9 +181,13 @@ async def start_narwhal(
             traces_to=traces_to,
             sample_ratio=sample_ratio,
             settings=settings,
+            tenants=tenants,
+            decode_seats=decode_seats,
         )
     )
     argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--skip-preflight"]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
     proc = await Proc.start(name, argv, workdir)
     url = f"http://127.0.0.1:{port}"
     await wait_healthy(proc, url)

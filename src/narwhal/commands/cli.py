@@ -166,12 +166,15 @@ def _bench(argv: list[str]) -> int:
         return 2
     sys.path.insert(0, str(benchmarks))
     # `--workers N` compares one process with N workers (benchmarks/workers_bench.py);
-    # `--placement` the placement policies on traces (benchmarks/placement_bench.py).
+    # `--placement` the placement policies on traces (benchmarks/placement_bench.py);
+    # `--tenant` multi-tenant load (benchmarks/tenant_bench.py), with its own `--workers`.
     harness = (
         "workers_bench" if any(a.split("=")[0] == "--workers" for a in argv) else "router_bench"
     )
     if "--placement" in argv:
         harness = "placement_bench"
+    if any(a.split("=")[0] == "--tenant" for a in argv):
+        harness = "tenant_bench"
     status: int = importlib.import_module(harness).main(argv)
     return status
 

@@ -101,3 +101,10 @@ def test_unknown_shapes_and_empty_durations_are_refused() -> None:
         generate("sideways", seed=0, duration_s=10, rate=1)
     with pytest.raises(ValueError):
         generate("bursty", seed=0, duration_s=0, rate=1)
+
+
+def test_a_requests_tenant_round_trips_through_jsonl_and_is_optional() -> None:
+    requests = [TraceRequest(0.5, 10, 2, "all", tenant="batch"), TraceRequest(1.0, 5, 1)]
+    text = to_jsonl(requests)
+    assert '"tenant":"batch"' in text and text.count("tenant") == 1
+    assert parse_jsonl(text) == requests

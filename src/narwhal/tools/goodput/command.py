@@ -8,12 +8,19 @@ goodput (requests per second meeting both the TTFT and the TPOT SLO) and TTFT/TP
 percentiles per trace phase, and the best split overall and per phase. Then, on the same
 engines and trace, a router with the role controller on, starting from the middle split,
 is scored the same way beside them (`--no-controller` skips it).
+
+With `--tenant NAME:KEY=VALUE,...` flags (`narwhal.tools.goodput.tenants`) each tenant is a
+`[[tenants]]` entry of every router and a trace of its own (its `shape`, else `--trace`,
+at its `rate`), sent with its key; the merged trace is replayed and each split also gets
+one row per tenant. A JSONL trace may name each request's tenant (`tenant`); its tenants'
+flags then give their settings and keys, and need no rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +42,23 @@ from narwhal.tools.goodput.report import (
     table,
 )
 from narwhal.tools.goodput.score import (
+    ALL,
     Outcome,
     PhaseStats,
     Slo,
     default_slo,
     split_stats,
     steady_stats,
+)
+from narwhal.tools.goodput.tenants import (
+    TenantLoad,
+    TenantStats,
+    check_tenants,
+    format_stats,
+    outcome_record,
+    parse_tenant,
+    stats_json,
+    tenant_stats,
 )
 from narwhal.tools.goodput.traces import (
     SHAPES,
@@ -80,16 +98,39 @@ def add_goodput_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="trace seconds after each phase starts left out of its 'steady' figures",
     )
+    add(
+        "--tenant",
+        type=_tenant,
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a tenant: its [[tenants]] keys and its trace (rate=R, shape=S); repeatable",
+    )
     add("--out", type=Path, default=Path("goodput.json"), help="JSON report")
     add("--plot", type=Path, help="also draw a PNG chart (needs matplotlib)")
 
 
+def _tenant(text: str) -> TenantLoad:
+    try:
+        return parse_tenant(text, load_required=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], float]:
     """The trace and its length in seconds."""
+    tenants: list[TenantLoad] = getattr(args, "tenant", [])
+    check_tenants(tenants)
     if args.trace not in SHAPES:
         requests = parse_jsonl(Path(args.trace).read_text())
         duration = max((r.arrival_s for r in requests), default=0.0) or 1.0
+        named = {tenant.name for tenant in tenants}
+        strangers = sorted({r.tenant for r in requests if r.tenant and r.tenant not in named})
+        if strangers:
+            raise ValueError(f"the trace names tenants without a --tenant flag: {strangers}")
         return requests, duration
+    if tenants:
+        return tenant_trace(args, tenants), args.duration
     costs = profile_options(args.profile).step_costs
     rate = (
         args.rate
@@ -105,6 +146,51 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], float]:
         token_scale=args.token_scale,
     )
     return trace, args.duration
+
+
+def tenant_trace(args: argparse.Namespace, tenants: list[TenantLoad]) -> list[TraceRequest]:
+    """Each tenant's trace (its shape, else `--trace`, at its rate), merged. Phases are
+    kept when every tenant has the same shape (their windows then coincide); otherwise
+    every request is of phase `all`, and the tenants' rows say the rest."""
+    shapes = {tenant.shape or args.trace for tenant in tenants}
+    merged: list[TraceRequest] = []
+    for index, tenant in enumerate(tenants):
+        shape = tenant.shape or args.trace
+        if tenant.rate is None or shape not in SHAPES:
+            raise ValueError(
+                f"--tenant {tenant.name}: a trace needs rate=R and a shape of "
+                f"{', '.join(SHAPES)} (got shape {shape!r})"
+            )
+        trace = generate(
+            shape,
+            seed=args.seed + index,
+            duration_s=args.duration,
+            rate=tenant.rate,
+            cycles=args.cycles,
+            token_scale=args.token_scale,
+        )
+        merged += [
+            replace(
+                request,
+                tenant=tenant.name,
+                prompt_tokens=tenant.prompt_tokens or request.prompt_tokens,
+                output_tokens=tenant.max_tokens or request.output_tokens,
+                phase=request.phase if len(shapes) == 1 else ALL,
+            )
+            for request in trace
+        ]
+    return sorted(merged, key=lambda request: request.arrival_s)
+
+
+def tenants_of(
+    tenants: list[TenantLoad], outcomes: list[Outcome], slo: Slo, duration_s: float
+) -> list[TenantStats]:
+    """Each tenant's row of a split (times in trace seconds)."""
+    records = [outcome_record(outcome) for outcome in outcomes]
+    return [
+        tenant_stats(tenant.name, records, window=(0.0, duration_s + 1e-6), slo=slo)
+        for tenant in tenants
+    ]
 
 
 def splits_of(text: str | None, engines: int) -> list[int]:
@@ -141,6 +227,8 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
             **steady_stats(outcomes, slo, phase_spans, args.settle),
         }
 
+    tenants: list[TenantLoad] = getattr(args, "tenant", [])
+    by_tenant: dict[str, list[TenantStats]] = {}
     results: Results = {}
     runs: list[dict[str, Any]] = []
     controlled: dict[str, PhaseStats] | None = None
@@ -150,7 +238,13 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
     async with FleetProcess(args.engines, fields) as fleet:
         for prefill, controller in run_order(splits, start, getattr(args, "controller", True)):
             sections = controller_sections(slo, args.speed) if controller else None
-            run = await run_split(fleet, prefill, trace, args.speed, controller=sections)
+            run = await run_split(
+                fleet, prefill, trace, args.speed, controller=sections, tenants=tenants
+            )
+            label = f"{start}P{args.engines - start}D controller" if controller else None
+            label = label or f"{run.prefill}P{run.decode}D"
+            if tenants:
+                by_tenant[label] = tenants_of(tenants, run.outcomes, slo, duration)
             if controller:
                 control_run, controlled = run, stats_of(run.outcomes)
                 _progress(f"controller from {start}P{args.engines - start}D", run)
@@ -180,6 +274,13 @@ async def goodput(args: argparse.Namespace) -> tuple[Results, dict[str, Any]]:
         "settle_s": args.settle,
     }
     report = document(meta, results, runs)
+    if by_tenant:
+        report["tenants"] = {
+            label: [stats_json(stats) for stats in rows] for label, rows in by_tenant.items()
+        }
+        report["tenant_table"] = "\n\n".join(
+            f"{label}:\n{format_stats(rows)}" for label, rows in by_tenant.items()
+        )
     if controlled is not None and control_run is not None:
         report["controller"] = controller_document(control_run, controlled, results, args.speed)
     return results, report
@@ -221,6 +322,10 @@ async def goodput_command(args: argparse.Namespace) -> int:
         f"{slo['ttft_s'] * 1000:.0f} ms, TPOT <= {slo['tpot_s'] * 1000:.1f} ms\n"
     )
     print(table(results, args.engines))
+    tenant_table = report.pop("tenant_table", None)
+    if tenant_table is not None:
+        print("\nby tenant (goodput: answered within both SLOs, per trace second):\n")
+        print(tenant_table)
     if "controller" in report:
         print("\n" + controller_table(report["controller"], results, args.engines))
     args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

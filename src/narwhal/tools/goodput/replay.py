@@ -15,7 +15,8 @@ import random
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from narwhal.app.server import RouterServer
 from narwhal.config.root import parse_config
 from narwhal.tools.goodput.idle import wait_idle
 from narwhal.tools.goodput.score import Outcome, Slo
+from narwhal.tools.goodput.tenants import TenantLoad
 from narwhal.tools.goodput.traces import TraceRequest
 from narwhal.tools.sim.model import VOCAB_SIZE
 
@@ -138,7 +140,10 @@ def controller_sections(slo: Slo, speed: float) -> dict[str, Any]:
 
 
 def router_config(
-    urls: Sequence[str], prefill: int, controller: Mapping[str, Any] | None = None
+    urls: Sequence[str],
+    prefill: int,
+    controller: Mapping[str, Any] | None = None,
+    tenants: Sequence[TenantLoad] = (),
 ) -> dict[str, Any]:
     """The router for one split: the first `prefill` engines prefill, the rest decode.
 
@@ -147,7 +152,7 @@ def router_config(
     handoffs or ejected engines: the experiment is about capacity, not recovery.
 
     With `controller` (see `controller_sections`) every engine has role `both`, starts as
-    that split and the role controller may move it.
+    that split and the role controller may move it. `tenants` are the `[[tenants]]`.
     """
 
     def role(i: int) -> dict[str, Any]:
@@ -177,6 +182,7 @@ def router_config(
             }
             for i, url in enumerate(urls)
         ],
+        **({"tenants": [tenant.tenant_table() for tenant in tenants]} if tenants else {}),
     }
 
 
@@ -187,11 +193,12 @@ async def run_split(
     speed: float,
     *,
     controller: Mapping[str, Any] | None = None,
+    tenants: Sequence[TenantLoad] = (),
 ) -> SplitRun:
     """One static split, or with `controller` the role controller starting from it, on
-    idle engines (see `FleetProcess.fair_start`)."""
+    idle engines (see `FleetProcess.fair_start`); `tenants` configured and keyed."""
     start = await fleet.fair_start()
-    raw = router_config(fleet.urls, prefill, controller)
+    raw = router_config(fleet.urls, prefill, controller, tenants)
     server = RouterServer(parse_config(raw, source="narwhal goodput"))
     await server.start()
     engine_cpu = await fleet.cpu_seconds()
@@ -200,7 +207,8 @@ async def run_split(
     salt = f"{'controller' if controller else 'split'}-{prefill}"
     summary = None
     try:
-        outcomes = await replay(server.url, trace, speed, salt=salt)
+        keyed = {tenant.name: tenant for tenant in tenants}
+        outcomes = await replay(server.url, trace, speed, salt=salt, tenants=keyed)
         if server.router.controller is not None:
             summary = server.router.controller.summary()
     finally:
@@ -219,24 +227,59 @@ async def run_split(
 
 
 async def replay(
-    url: str, trace: Sequence[TraceRequest], speed: float, *, salt: str
+    url: str,
+    trace: Sequence[TraceRequest],
+    speed: float,
+    *,
+    salt: str,
+    tenants: Mapping[str, TenantLoad] | None = None,
 ) -> list[Outcome]:
-    """Send each request at its arrival time (divided by `speed`) and time its stream."""
+    """Send each request at its arrival time (divided by `speed`) and time its stream.
+
+    A request naming a tenant is sent with that tenant's key; when the tenant honours
+    `Retry-After`, a refused request is sent again after it (wall seconds, as the router
+    says) while the trace lasts, and each attempt is an outcome of its own."""
+    tenants = tenants or {}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    end_s = max((request.arrival_s for request in trace), default=0.0) / speed
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         loop = asyncio.get_running_loop()
         start = loop.time()
 
-        async def one(index: int, request: TraceRequest) -> Outcome:
+        async def one(index: int, request: TraceRequest) -> list[Outcome]:
             await asyncio.sleep(max(0.0, start + request.arrival_s / speed - loop.time()))
-            return await _request(session, url, request, speed, f"{salt}-{index}")
+            tenant = tenants.get(request.tenant)
+            key = tenant.key if tenant is not None else None
+            outcome = await _request(session, url, request, speed, f"{salt}-{index}", key)
+            attempts = [outcome]
+            while (
+                tenant is not None
+                and tenant.retry_after
+                and outcome.retry_after_s is not None
+                and loop.time() - start + outcome.retry_after_s < end_s
+            ):
+                await asyncio.sleep(outcome.retry_after_s)
+                again = replace(request, arrival_s=(loop.time() - start) * speed)
+                outcome = await _request(
+                    session, url, again, speed, f"{salt}-{index}", key, returned=True
+                )
+                attempts.append(outcome)
+            return attempts
 
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
+        done = await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+        return [outcome for attempts in done for outcome in attempts]
 
 
 async def _request(
-    session: aiohttp.ClientSession, url: str, request: TraceRequest, speed: float, salt: str
+    session: aiohttp.ClientSession,
+    url: str,
+    request: TraceRequest,
+    speed: float,
+    salt: str,
+    key: str | None = None,
+    *,
+    returned: bool = False,
 ) -> Outcome:
     rng = random.Random(salt)
     body = {
@@ -245,22 +288,35 @@ async def _request(
         "max_tokens": request.output_tokens,
         "stream": True,
     }
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else None
+    failed = partial(
+        Outcome,
+        request.phase,
+        False,
+        arrival_s=request.arrival_s,
+        tenant=request.tenant,
+        prompt_tokens=request.prompt_tokens,
+        returned=returned,
+    )
     sent = time.monotonic()
     first: float | None = None
     last = sent
     tokens = 0
     tail = b""
     try:
-        async with session.post(url + "/v1/completions", json=body) as response:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 await response.read()
-                return Outcome(request.phase, False, arrival_s=request.arrival_s)
+                return failed(
+                    status=response.status,
+                    retry_after_s=_retry_after(response.status, response.headers),
+                )
             async for data in response.content.iter_any():
                 # One `data: {...}` event per token (the usage event is off); count them
                 # without parsing, across chunk boundaries.
                 seen = tail + data
                 if b'data: {"error"' in seen:
-                    return Outcome(request.phase, False, arrival_s=request.arrival_s)
+                    return failed()
                 count = seen.count(b"data: {") - tail.count(b"data: {")
                 tail = seen[-8:]
                 if count:
@@ -269,8 +325,30 @@ async def _request(
                     last = now
                     tokens += count
     except (TimeoutError, aiohttp.ClientError):
-        return Outcome(request.phase, False, arrival_s=request.arrival_s)
+        return failed(status=0)
     if first is None or tokens < request.output_tokens:
-        return Outcome(request.phase, False, arrival_s=request.arrival_s)
+        return failed(completion_tokens=tokens)
     tpot = (last - first) * speed / (tokens - 1) if tokens > 1 else None
-    return Outcome(request.phase, True, (first - sent) * speed, tpot, request.arrival_s)
+    return Outcome(
+        request.phase,
+        True,
+        (first - sent) * speed,
+        tpot,
+        request.arrival_s,
+        tenant=request.tenant,
+        prompt_tokens=request.prompt_tokens,
+        completion_tokens=tokens,
+        returned=returned,
+    )
+
+
+def _retry_after(status: int, headers: Mapping[str, str]) -> float | None:
+    """A refusal's `Retry-After` in seconds (429 and 503 only; None when absent)."""
+    value = headers.get("Retry-After")
+    if status not in (429, 503) or value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None

@@ -46,7 +46,16 @@ class Outcome:
     completed: bool
     ttft_s: float | None = None
     tpot_s: float | None = None  # None with a single output token
-    arrival_s: float = 0.0  # when the trace sent it
+    arrival_s: float = 0.0  # when the trace sent it (a return: when it was sent again)
+    # With tenants: whose it was, its HTTP status (0: no answer), the tokens served (the
+    # engine's usage when the stream carried it), whether it was a refused request sent
+    # again after its Retry-After, and that Retry-After when it was refused.
+    tenant: str = ""
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    returned: bool = False
+    retry_after_s: float | None = None
 
     def good(self, slo: Slo) -> bool:
         return (

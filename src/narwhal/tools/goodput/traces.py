@@ -6,7 +6,8 @@ trace reads from and writes to JSONL, one request a line:
     {"arrival_s": 0.42, "prompt_tokens": 3100, "output_tokens": 64, "phase": "prefill-heavy"}
 
 `phase` is optional (default "all"); it labels a stretch of the trace so results can be
-read per phase.
+read per phase. `tenant` is optional too (default none): the tenant whose key sends the
+request, with `narwhal goodput --tenant`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     phase: str = "all"
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,7 @@ def to_jsonl(requests: Sequence[TraceRequest]) -> str:
                 "prompt_tokens": r.prompt_tokens,
                 "output_tokens": r.output_tokens,
                 "phase": r.phase,
+                **({"tenant": r.tenant} if r.tenant else {}),
             }
         ).decode()
         + "\n"
@@ -173,6 +176,7 @@ def parse_jsonl(text: str) -> list[TraceRequest]:
                 prompt_tokens=int(_number(value, "prompt_tokens", 1)),
                 output_tokens=int(_number(value, "output_tokens", 1)),
                 phase=str(value.get("phase", "all")),
+                tenant=str(value.get("tenant", "")),
             )
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"trace line {number}: {exc}") from None
