@@ -90,6 +90,8 @@ class Plan:
     settle_s: float = 5.0
     # Isolation: both tenants' TTFT objective (None: none; then only the queue bounds A).
     objective_s: float | None = None
+    # `[tenants_policy] reserved_seats` on every router (0: none held back).
+    reserved_seats: int = 0
     weights_s: float = 60.0
     weights_warm_s: float = 10.0
     limits_s: float = 40.0
@@ -136,7 +138,11 @@ class Experiments:
         with `journal`, each tenant's time in the router's queue is printed from the
         router's journal (kept as NAME.jsonl in the run's directory)."""
         path = self.running.bench.workdir / f"{name}.jsonl"
-        settings = {"journal": {"path": str(path)}} if journal else None
+        settings: dict[str, dict[str, object]] = {}
+        if journal:
+            settings["journal"] = {"path": str(path)}
+        if self.plan.reserved_seats:
+            settings["tenants_policy"] = {"reserved_seats": self.plan.reserved_seats}
         url = await self.running.start_router(name, configured, workers=workers, settings=settings)
         try:
             run = await self.running.run(url, name, loads, duration_s, self.plan.seed)
@@ -457,6 +463,7 @@ def parser() -> argparse.ArgumentParser:
     add("--light-share", type=float, default=d.light_share, help="light load / capacity")
     add("--flood-factor", type=float, default=d.flood_factor, help="flood / capacity")
     add("--objective-s", type=float, help="isolation: both tenants' ttft_objective_s")
+    add("--reserved-seats", type=int, default=0, help="[tenants_policy] reserved_seats")
     add("--weights-s", type=float, default=d.weights_s, help="weights: the measured span")
     add("--limits-s", type=float, default=d.limits_s, help="limits: each run")
     add("--cpu-requests", type=int, default=d.cpu_requests, help="cpu: requests per batch")
@@ -483,6 +490,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         flood_factor=args.flood_factor,
         run_s=args.run_s,
         objective_s=args.objective_s,
+        reserved_seats=args.reserved_seats,
         weights_s=args.weights_s,
         limits_s=args.limits_s,
         cpu_requests=args.cpu_requests,

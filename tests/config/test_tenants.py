@@ -123,3 +123,11 @@ def test_a_tenant_key_variable_that_is_unset_is_refused() -> None:
     config = parse_config(fleet({"name": "chat", "api_keys_env": "CHAT_KEYS"}))
     with pytest.raises(SecretsError, match=r"tenants\[0\]\.api_keys_env names CHAT_KEYS"):
         load_secrets(config, {})
+
+
+def test_reserved_seats_are_a_count() -> None:
+    config = parse_config(fleet({"name": "chat"}, reserved_seats=4))
+    assert config.tenants_policy.reserved_seats == 4
+    assert problems(fleet({"name": "chat"}, reserved_seats=-1)) == (
+        "tenants_policy.reserved_seats: must be an integer >= 0, got -1",
+    )

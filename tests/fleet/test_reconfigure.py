@@ -181,3 +181,17 @@ def test_tenants_limits_and_policy_apply_without_a_restart_but_keys_need_one() -
     # Turning tenants on or off changes how every request is admitted: a restart.
     assert restart_only(config(P0, D0), running) == ("tenants",)
     assert restart_only(running, replace(running, tenants=())) == ("tenants",)
+
+
+def test_reserved_seats_wait_for_a_restart() -> None:
+    def with_reserve(seats: int) -> Config:
+        return parse_config(
+            {
+                "model": "m",
+                "engines": [{"id": "p0", "url": P0.url, "role": "both"}],
+                "tenants": [{"name": "chat"}],
+                "tenants_policy": {"reserved_seats": seats, "default": "chat"},
+            }
+        )
+
+    assert restart_only(with_reserve(0), with_reserve(2)) == ("tenants_policy",)

@@ -407,7 +407,11 @@ def test_a_full_queue_sheds_the_least_important_band_in_any_pool() -> None:
     queues.admit("p-mid", "p", Claim("x", priority=1), 0.0, 3)
     with pytest.raises(NarwhalError) as caught:
         queues.admit("same", "p", Claim("y", priority=5), 0.0, 3)
-    assert caught.value.status == 429
+    assert caught.value.status == 503
+    # Without a tenant, a full queue answers as it always has.
+    with pytest.raises(NarwhalError) as untenanted:
+        queues.admit("plain", "p", Claim(priority=5), 0.0, 3)
+    assert (untenanted.value.status, untenanted.value.retry_after) == (429, 1)
     assert caught.value.message == (
         "the router's queue is full (3 requests wait for a seat; serving.queue_capacity)"
     )

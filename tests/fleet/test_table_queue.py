@@ -117,10 +117,10 @@ async def test_a_more_important_request_displaces_a_waiter_of_a_less_important_b
     assert error.status == 503 and error.retry_after is not None and error.retry_after >= 1
     assert error.message.startswith("shed: a more important request took its place")
     assert not tasks[0].done() and fleet.queued == 2
-    # An equal band finds the queue full, as it always has.
+    # An equal band finds the queue full: fleet overload, 503 for a tenant's request.
     with pytest.raises(NarwhalError) as caught:
         await fleet.reserve(claim=Claim("bulk", priority=2))
-    assert caught.value.status == 429
+    assert caught.value.status == 503 and caught.value.refusal == "queue_full"
     assert caught.value.message == (
         "the router's queue is full (2 requests wait for a seat; serving.queue_capacity)"
     )
@@ -172,3 +172,35 @@ async def test_a_waiter_that_leaves_is_taken_out_of_its_tenants_queue() -> None:
     await asyncio.sleep(0)
     assert fleet.queued_by_tenant() == {"a": 1, "b": 1}
     assert await served_order(hold, tasks[1:3]) == [1, 0], "a's turn came first"
+
+
+async def test_a_held_back_seat_goes_to_a_lighter_tenant_past_the_floods_queue() -> None:
+    specs = (SPECS[0], EngineSpec("d0", "http://10.0.0.2:1", Role.DECODE, max_decode_seats=3))
+    fleet = Fleet(specs, queue_timeout_s=30.0, reserved_seats=1)
+    flood, light = Claim("flood"), Claim("light")
+    held = [await fleet.reserve(claim=flood) for _ in range(2)]
+    # The last seat is held back from the tenant holding the pool's seats.
+    waiting_flood = await waiting(fleet, [flood])
+    assert not waiting_flood[0].done() and fleet.queued == 1
+    assert fleet.seat_reserve.held(None) == {"flood": 2}
+    # A light tenant takes it at once, past the flood's waiter.
+    seat = await asyncio.wait_for(fleet.reserve(claim=light), 5)
+    assert fleet.seat_reserve.held(None) == {"flood": 2, "light": 1}
+    seat.release()
+    # Freed, the seat is held back again: still not the flood's.
+    await asyncio.sleep(0)
+    assert not waiting_flood[0].done()
+    held[0].release()
+    # With two free, the flood's waiter takes one and leaves the last held back.
+    flood_seat = await asyncio.wait_for(waiting_flood[0], 5)
+    assert fleet.seat_reserve.held(None) == {"flood": 2}
+    for reservation in (flood_seat, held[1]):
+        reservation.release()
+    assert fleet.seat_reserve.held(None) == {}
+
+
+async def test_without_held_back_seats_the_flood_takes_every_seat() -> None:
+    specs = (SPECS[0], EngineSpec("d0", "http://10.0.0.2:1", Role.DECODE, max_decode_seats=3))
+    fleet = Fleet(specs, queue_timeout_s=30.0)
+    held = [await fleet.reserve(claim=Claim("flood")) for _ in range(3)]
+    assert fleet.seat_reserve.held(None) == {} and all(r.claim is None for r in held)

@@ -101,6 +101,7 @@ class Router:
             placement=config.placement,
             catalog=Catalog.from_config(config),
             lora=config.lora,
+            reserved_seats=config.tenants_policy.reserved_seats if config.tenants else 0,
         )
         # The engines' own KV cache events keep placement's prefix index right.
         self.kv_events = KvEventFeeds(config.placement.kv_events, self.fleet.placer.cache_changed)

@@ -57,6 +57,9 @@ class TenantsPolicy:
     # Send each request's band as vLLM's `priority` on both legs (it orders an engine's
     # queue only when the engine runs with `--scheduling-policy priority`).
     engine_priority: bool = False
+    # A busy pool's last free decode seats, kept for requests of a more important band
+    # or of a tenant holding less than its share (`fleet.reserve`); 0: none kept.
+    reserved_seats: int = 0
 
 
 # The limits an admin API body may change at runtime, with how each is read.
@@ -121,6 +124,7 @@ def parse_tenants_policy(table: Table) -> TenantsPolicy:
     policy = TenantsPolicy(
         default=table.optional_string("default"),
         engine_priority=table.boolean("engine_priority", False),
+        reserved_seats=table.integer("reserved_seats", 0, 0),
     )
     table.close()
     return policy

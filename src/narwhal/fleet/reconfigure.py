@@ -87,7 +87,17 @@ def restart_only(running: Config, loaded: Config) -> tuple[str, ...]:
         for f in fields(Config)
         if f.name not in _NOT_SECTIONS
         and getattr(running, f.name) != getattr(loaded, f.name)
-        and not (f.name in ("tenants", "tenants_policy") and tenants_live(running, loaded))
+        and not (f.name == "tenants" and tenants_live(running, loaded))
+        and not (f.name == "tenants_policy" and policy_live(running, loaded))
+    )
+
+
+def policy_live(running: Config, loaded: Config) -> bool:
+    """Whether a reload can apply `[tenants_policy]`: all but `reserved_seats`, which the
+    fleet counts from its start."""
+    return (
+        tenants_live(running, loaded)
+        and running.tenants_policy.reserved_seats == loaded.tenants_policy.reserved_seats
     )
 
 

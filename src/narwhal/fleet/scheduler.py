@@ -52,7 +52,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -248,6 +248,13 @@ class Scheduler(Generic[T]):
         top.due_head = False
         self._forget(entry)
         return entry.item
+
+    def heads(self) -> Iterator[T]:
+        """Each tenant's first item, most important band first (for a caller that may
+        pass over the scheduler's own head: seats held back for others)."""
+        for priority in self._order:
+            for flow in self._bands[priority].active:
+                yield flow.entries[0].item
 
     def remove(self, item: T) -> bool:
         """Take out an item that will not be served (its waiter left, or it cannot be
@@ -501,12 +508,14 @@ class Queues(Generic[K, T]):
         if self.queued() >= capacity:
             shed = self._displace(claim, scheduler, now, capacity)
             if shed is None:
+                # Fleet overload: 503 for a tenant's request (its own limits are 429s);
+                # a request without a tenant keeps the 429 it always had.
                 raise NarwhalError(
-                    429,
+                    503 if claim.tenant else 429,
                     f"the router's queue is full ({capacity} requests wait for a seat; "
                     "serving.queue_capacity)",
                     Cause.UNAVAILABLE,
-                    retry_after=1,
+                    retry_after=_retry_after(self.wait(key, claim, now)) if claim.tenant else 1,
                     refusal="queue_full",
                 )
         scheduler.push(item, claim)

@@ -45,6 +45,7 @@ from narwhal.fleet.lifecycle import EngineState as EngineState
 from narwhal.fleet.lifecycle import Event
 from narwhal.fleet.models import Catalog, Target
 from narwhal.fleet.placement import Placer, PromptKey
+from narwhal.fleet.reserve import SeatReserve
 from narwhal.fleet.scheduler import NO_CLAIM, Claim, Queues, Scheduler
 from narwhal.fleet.seat_share import WHOLE, SeatShare
 from narwhal.protocol.errors import Cause, NarwhalError
@@ -80,6 +81,8 @@ class Reservation:
     loads: tuple[Engine, ...] = ()
     # Its work in tokens (`Claim.cost`), counted in its pool's service rate at its end.
     cost: float = 1.0
+    # Its tenant's claim, while seats are held back for some (`fleet.reserve`).
+    claim: Claim | None = None
 
     @property
     def crossed(self) -> bool:
@@ -141,11 +144,13 @@ class Fleet:
         placement: PlacementConfig | None = None,
         catalog: Catalog | None = None,
         lora: LoraConfig | None = None,
+        reserved_seats: int = 0,
     ) -> None:
         """`share`: this process's part of every engine's seat limits; `placement`: how
         an engine is chosen among those with a seat (`fleet.placement`); `catalog`: the
         names clients use for the pools (one pool, of the default model, without it);
-        `lora`: whether and how adapters are loaded on demand."""
+        `lora`: whether and how adapters are loaded on demand; `reserved_seats`: a busy
+        pool's last free decode seats, held back for favoured requests (`fleet.reserve`)."""
         self.share = share
         self.catalog = catalog or Catalog.single("")
         self.lora = lora or LoraConfig()
@@ -157,6 +162,7 @@ class Fleet:
         # One queue per pool and adapter: a head that waits blocks only its own pool.
         self._queues: Queues[Target | None, _Waiter] = Queues()
         self._pools = self._queues.pools
+        self.seat_reserve = SeatReserve(reserved_seats)
         self.prepare: Prepare | None = None
         self._rng = rng or random.Random()
         self.placer = Placer(placement or PlacementConfig(), self._rng)
@@ -532,21 +538,22 @@ class Fleet:
     ) -> Reservation:
         queue_key = target if self.catalog.several else None
         scheduler = self._pools.get(queue_key)
-        if not scheduler:
-            # Nobody waits for this pool: no scheduler work, as without tenants.
+        claimed = claim or NO_CLAIM
+        # Nobody waits for this pool: no scheduler work, as without tenants.
+        if not scheduler and not self._held_back(queue_key, claimed, target):
             reservation = self.try_reserve(avoid, key, target)
             if reservation is not None:
-                if claim is not None:
-                    reservation.cost = claim.cost
+                self._granted(reservation, queue_key, claimed)
                 return reservation
-        waiter = _Waiter(
-            avoid, key, target, claim or NO_CLAIM, asyncio.get_running_loop().create_future()
-        )
-        shed = self._queues.admit(waiter, queue_key, waiter.claim, _now(), self.queue_capacity)
+        waiter = _Waiter(avoid, key, target, claimed, asyncio.get_running_loop().create_future())
+        shed = self._queues.admit(waiter, queue_key, claimed, _now(), self.queue_capacity)
         if shed is not None:
             victim, error = shed
             if not victim.future.done():
                 victim.future.set_exception(error)
+        if self.seat_reserve.seats:
+            # A favoured request may take a held-back seat now, past those queued.
+            self.seat_freed()
         try:
             async with clock().timeout(self.queue_timeout_s):
                 return await waiter.future
@@ -562,10 +569,40 @@ class Fleet:
             self._abandon(waiter)
             raise
 
+    def _granted(self, reservation: Reservation, queue_key: Target | None, claim: Claim) -> None:
+        reservation.cost = claim.cost
+        if self.seat_reserve.seats:
+            reservation.claim = claim
+            self.seat_reserve.took(queue_key, claim)
+
+    def _held_back(self, queue_key: Target | None, claim: Claim, target: Target | None) -> bool:
+        """Whether the pool's free decode seats are all held back from this request."""
+        return bool(self.seat_reserve.seats) and self.seat_reserve.holds_back(
+            queue_key, claim, self._free_decode(target)
+        )
+
+    def _free_decode(self, target: Target | None) -> float:
+        """Free decode seats on the pool's admitted engines (infinite when one has no
+        limit, or when the pool cannot be placed at all: placement then says why)."""
+        now = _now()
+        try:
+            members = self._members(target, now)
+        except NarwhalError:
+            return math.inf
+        free = 0
+        for engine in self.admitted(Phase.DECODE, now, members):
+            limit = engine.seat_limit(Phase.DECODE)
+            if limit is None:
+                return math.inf
+            free += max(0, limit - engine.decode_seats)
+        return free
+
     def note_served(self, reservation: Reservation) -> None:
         """A reservation's decode seat is released: while requests wait for its pool,
         its cost counts in the pool's service rate."""
         queue_key = reservation.target if self.catalog.several else None
+        if reservation.claim is not None:
+            self.seat_reserve.gave_back(queue_key, reservation.claim)
         if self._pools.get(queue_key):
             self._queues.served(queue_key, reservation.cost, _now())
         else:
@@ -592,28 +629,50 @@ class Fleet:
         self._waking = True
         try:
             for queue_key, scheduler in list(self._pools.items()):
-                self._wake(scheduler)
+                self._wake(scheduler, queue_key)
                 if not scheduler:
                     del self._pools[queue_key]
         finally:
             self._waking = False
 
-    def _wake(self, scheduler: Scheduler[_Waiter]) -> None:
+    def _passing(
+        self, scheduler: Scheduler[_Waiter], queue_key: Target | None, head: _Waiter
+    ) -> _Waiter | None:
+        """The waiter to place now: the head, unless the seats left are held back from
+        it; then the first favoured waiter, if any (`fleet.reserve`)."""
+        if not self._held_back(queue_key, head.claim, head.target):
+            return head
+        return next(
+            (
+                w
+                for w in scheduler.heads()
+                if not w.future.done() and not self.seat_reserve.holds_back(queue_key, w.claim, 0)
+            ),
+            None,
+        )
+
+    def _wake(self, scheduler: Scheduler[_Waiter], queue_key: Target | None) -> None:
         while (head := scheduler.peek()) is not None:
             if head.future.done():
                 scheduler.remove(head)
                 continue
+            chosen = self._passing(scheduler, queue_key, head)
+            if chosen is None:
+                return
             try:
-                reservation = self.try_reserve(head.avoid, head.key, head.target)
+                reservation = self.try_reserve(chosen.avoid, chosen.key, chosen.target)
             except NarwhalError as error:
-                scheduler.remove(head)
-                head.future.set_exception(error)
+                scheduler.remove(chosen)
+                chosen.future.set_exception(error)
                 continue
             if reservation is None:
                 return
-            scheduler.pop()
-            reservation.cost = head.claim.cost
-            head.future.set_result(reservation)
+            if chosen is head:
+                scheduler.pop()
+            else:
+                scheduler.remove(chosen)
+            self._granted(reservation, queue_key, chosen.claim)
+            chosen.future.set_result(reservation)
 
 
 def _now() -> float:
