@@ -36,6 +36,8 @@ class Feature:
     default_on: bool
     settings: Mapping[str, Mapping[str, object]]
     traced: bool = False
+    # `[[tenants]]` entries the flipped router has.
+    tenants: tuple[Mapping[str, object], ...] = ()
 
     @property
     def target(self) -> str:
@@ -84,6 +86,21 @@ FEATURES: tuple[Feature, ...] = (
         "stream continuation: token ids asked of the consumer and tracked per stream",
         False,
         {"continuation": {"enabled": True}},
+    ),
+    Feature(
+        "tenants",
+        "every request of a tenant with both per-minute limits and a max_concurrent, none "
+        "reached: its admission, headers, settlement and per-tenant metrics",
+        False,
+        {"tenants_policy": {"default": "bench"}},
+        tenants=(
+            {
+                "name": "bench",
+                "requests_per_minute": 1e9,
+                "tokens_per_minute": 1e12,
+                "max_concurrent": 1_000_000,
+            },
+        ),
     ),
     Feature(
         "engine-load",
@@ -164,7 +181,12 @@ async def add_matrix(bench: Bench, traces_to: str | None, say: Callable[[str], N
             settings["tracing"] = {"enabled": True, "endpoint": traces_to, **settings["tracing"]}
         slug = f"narwhal-{'without' if feature.default_on else 'with'}-{feature.name}"
         starting = start_narwhal(
-            bench.producer_url, bench.consumer_url, bench.workdir, name=slug, settings=settings
+            bench.producer_url,
+            bench.consumer_url,
+            bench.workdir,
+            name=slug,
+            settings=settings,
+            tenants=feature.tenants,
         )
         proc, url = await starting
         bench.procs.append(proc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,11 @@ from narwhal.config.root import Config, parse_config
 FLEET = ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
 
 
-def configured(settings: dict[str, dict[str, object]] | None = None) -> Config:
-    text = narwhal_config(*FLEET, 8000, settings=settings)
+def configured(
+    settings: dict[str, dict[str, object]] | None = None,
+    tenants: tuple[Mapping[str, object], ...] = (),
+) -> Config:
+    text = narwhal_config(*FLEET, 8000, settings=settings, tenants=tenants)
     return parse_config(tomllib.loads(text))
 
 
@@ -37,7 +41,7 @@ def test_each_feature_row_is_a_valid_configuration_that_differs_from_the_plain_o
     settings = feature.resolved(tmp_path)
     if feature.traced:
         settings["tracing"] |= {"enabled": True, "endpoint": "http://127.0.0.1:4318/v1/traces"}
-    assert configured(settings) != configured()
+    assert configured(settings, feature.tenants) != configured()
 
 
 @pytest.mark.parametrize("feature", [f for f in FEATURES if f.default_on], ids=lambda f: f.name)

@@ -23,8 +23,10 @@ so one tenant's long prompts and long answers must not buy as much of the fleet 
 another's short ones at equal weight. Without costs (every cost 1) the same code is fair
 in requests.
 
-The quantum defaults to one token. A small quantum serves a newly backlogged tenant after
-about one request of each other tenant, whatever their sizes, where a large one lets
+The quantum defaults to one token. With a small quantum a newly backlogged tenant's
+request is served once the other tenants have been served about as many tokens per unit
+of weight as it costs: after about one request of each other tenant of equal size and
+weight, after about k of them when it costs k times theirs. A large quantum would let
 every tenant ahead in the round spend a whole quantum first. Turns in which no head
 becomes payable are not stepped through one by one: `_Band.due` finds the first tenant
 whose head DRR would serve, and credits every tenant the turns it had before, in one pass
@@ -41,8 +43,9 @@ request wait out its timeout.
 
 **Admission.** `Queues` holds one scheduler and one service rate per pool, under one
 bound on the whole queue, and decides whether a request is queued, refused at once (its
-tenant's queue full: 429; its expected wait too long: 503; the whole queue full: 429),
-or queued in the place of a less important one (which fails with 503).
+tenant's queue full: 429; its expected wait too long: 503; the whole queue full: 503,
+429 without a tenant), or queued in the place of a less important one or of the band's
+tenant holding the most of the queue (which fails with 503).
 
 With one tenant and one band the order is arrival order: the FIFO this replaces.
 """
