@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import pytest
-from playwright.async_api import Browser, Dialog, Error, Page, async_playwright, expect
+from playwright.async_api import Browser, Dialog, Page, expect
 
 from narwhal.config.secrets import Secrets
 from narwhal.control.controller import Observation, PhaseLoad
@@ -18,36 +15,8 @@ from narwhal.http.page import ASSET_TYPES
 from support.stack import COMPLETION, Stack, StackFactory, arm
 
 FOUR = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 # The page polls every second; allow a few polls.
 LIVE_MS = 5000
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    """Debian's chromium under Playwright; skips only where that browser cannot start."""
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (make test installs it with apt-get where it can)")
-    async with async_playwright() as playwright:
-        try:
-            launched = await playwright.chromium.launch(
-                executable_path=executable, args=CHROMIUM_ARGS
-            )
-        except Error as error:
-            pytest.skip(f"chromium is installed but cannot start here: {error.message[:300]}")
-        try:
-            yield launched
-        finally:
-            await launched.close()
 
 
 async def open_page(browser: Browser, stack: Stack, path: str, width: int, height: int) -> Page:

@@ -18,7 +18,8 @@ import pytest_asyncio
 from playwright.async_api import Error, async_playwright, expect
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.test_fleet_page import CHROMIUM_ARGS, LIVE_MS
+from e2e.conftest import CHROMIUM_ARGS
+from e2e.test_fleet_page import LIVE_MS
 from narwhal.app.server import RouterServer
 from narwhal.commands.top import render
 from narwhal.config.root import parse_config

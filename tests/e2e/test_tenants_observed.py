@@ -4,18 +4,16 @@ to its requests-per-minute limit, shows each tenant in its metrics, its journal,
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 import pytest_asyncio
-from playwright.async_api import Error, async_playwright, expect
+from playwright.async_api import Browser, expect
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.test_fleet_page import CHROMIUM_ARGS, LIVE_MS
+from e2e.test_fleet_page import LIVE_MS
 from narwhal.commands.top import render
 from narwhal.config.root import parse_config
 from narwhal.config.secrets import load_secrets
@@ -137,65 +135,42 @@ async def test_state_and_top_show_each_tenant(two_tenants: Stack) -> None:
     assert rows["batch"] == ["batch", "2", "1", "0", "0", "2", "0", "-"]
 
 
-async def test_the_fleet_page_shows_each_tenant(two_tenants: Stack) -> None:
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (make test installs it with apt-get where it can)")
+async def test_the_fleet_page_shows_each_tenant(two_tenants: Stack, browser: Browser) -> None:
     stack = two_tenants
     await serve(stack)
     await stack.journal(expect=5, kind="request")
-    async with async_playwright() as playwright:
-        try:
-            browser = await playwright.chromium.launch(
-                executable_path=executable, args=CHROMIUM_ARGS
-            )
-        except Error as error:
-            pytest.skip(f"chromium is installed but cannot start here: {error.message[:300]}")
-        try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            await page.goto(stack.url + "/")
-            await expect(page.locator("#tenants")).to_be_visible(timeout=LIVE_MS)
-            search = page.locator('[data-tenant="search"]')
-            for field, shown in (
-                ("band", "0"),
-                ("weight", "3"),
-                ("in-flight", "0"),
-                ("ok", "2"),
-                ("refused", "1"),
-                ("limits", "rpm 0/2"),
-            ):
-                await expect(search.locator(f'[data-field="{field}"]')).to_have_text(shown)
-            batch = page.locator('[data-tenant="batch"]')
-            await expect(batch.locator('[data-field="band"]')).to_have_text("2")
-            await expect(batch.locator('[data-field="refused"]')).to_have_text("0")
-            # On a phone the table scrolls in its place; the page itself does not.
-            await page.set_viewport_size({"width": 390, "height": 844})
-            width = "document.documentElement.scrollWidth - window.innerWidth"
-            assert await page.evaluate(width) <= 0
-            assert errors == []
-        finally:
-            await browser.close()
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(stack.url + "/")
+    await expect(page.locator("#tenants")).to_be_visible(timeout=LIVE_MS)
+    search = page.locator('[data-tenant="search"]')
+    for field, shown in (
+        ("band", "0"),
+        ("weight", "3"),
+        ("in-flight", "0"),
+        ("ok", "2"),
+        ("refused", "1"),
+        ("limits", "rpm 0/2"),
+    ):
+        await expect(search.locator(f'[data-field="{field}"]')).to_have_text(shown)
+    batch = page.locator('[data-tenant="batch"]')
+    await expect(batch.locator('[data-field="band"]')).to_have_text("2")
+    await expect(batch.locator('[data-field="refused"]')).to_have_text("0")
+    # On a phone the table scrolls in its place; the page itself does not.
+    await page.set_viewport_size({"width": 390, "height": 844})
+    width = "document.documentElement.scrollWidth - window.innerWidth"
+    assert await page.evaluate(width) <= 0
+    assert errors == []
 
 
-async def test_a_page_without_tenants_shows_no_tenant_table(tmp_path: Path) -> None:
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (make test installs it with apt-get where it can)")
-    async with stack_factory(tmp_path)() as stack, async_playwright() as playwright:
+async def test_a_page_without_tenants_shows_no_tenant_table(
+    tmp_path: Path, browser: Browser
+) -> None:
+    async with stack_factory(tmp_path)() as stack:
         assert (await stack.post("/v1/completions", COMPLETION))[0] == 200
         assert "tenants" not in await state_of(stack)
-        try:
-            browser = await playwright.chromium.launch(
-                executable_path=executable, args=CHROMIUM_ARGS
-            )
-        except Error as error:
-            pytest.skip(f"chromium is installed but cannot start here: {error.message[:300]}")
-        try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
-            await page.goto(stack.url + "/")
-            await expect(page.locator('[data-outcome="ok"]')).to_have_text("ok 1", timeout=LIVE_MS)
-            await expect(page.locator("#tenants")).to_be_hidden()
-        finally:
-            await browser.close()
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        await page.goto(stack.url + "/")
+        await expect(page.locator('[data-outcome="ok"]')).to_have_text("ok 1", timeout=LIVE_MS)
+        await expect(page.locator("#tenants")).to_be_hidden()
