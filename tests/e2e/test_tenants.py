@@ -156,7 +156,11 @@ async def test_over_max_concurrent_is_refused_while_its_requests_run(
         sim={"request_overhead_s": 0.4}, secrets=secrets(tenants), tenants=tenants
     ) as stack:
         slow = asyncio.ensure_future(post(stack, "sk-solo-4444444444"))
-        await asyncio.sleep(0.1)
+        # Admitted once its prefill reached the producer; it holds the tenant's one place.
+        for _ in range(1000):
+            if stack.engine("p0").received:
+                break
+            await asyncio.sleep(0.01)
         status, headers, raw = await post(stack, "sk-solo-4444444444")
         assert status == 429 and b"max_concurrent (1)" in raw
         assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) >= 1

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from narwhal.tools.vllm_fleet import LoraModule, LoraOptions, VllmEngine, VllmOptions
+from narwhal.tools.vllm_fleet import LoraModule, LoraOptions, VllmEngine, VllmOptions, free_ports
 
 OPTIONS = VllmOptions(
     python=Path("/venv/bin/python"),
@@ -53,3 +53,10 @@ def test_the_priority_policy_is_vllms_flag_and_fcfs_adds_none() -> None:
     at = command.index("--scheduling-policy")
     assert command[at : at + 2] == ["--scheduling-policy", "priority"]
     assert command[-2:] == ["--reasoning-parser", "deepseek_r1"], "extra arguments come last"
+
+
+def test_ports_are_chosen_free_and_outside_the_ephemeral_range() -> None:
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    # The kernel never hands these to an outgoing connection (Linux: 32768 and up).
+    assert all(20000 <= port < 32768 for port in ports)

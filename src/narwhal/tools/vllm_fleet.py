@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -329,13 +330,27 @@ class VllmFleet:
         await asyncio.gather(*(engine.stop() for engine in self.engines))
 
 
+# Below Linux's ephemeral range (32768-60999 by default): an engine binds its ports a
+# minute after they are chosen, and a port the kernel may hand to any outgoing connection
+# (or to vLLM's own internal sockets) in that minute was seen taken by then.
+_PORTS = range(20000, 32768)
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct ports free on 127.0.0.1 now (all held open together while choosing)."""
+    """Distinct ports free on 127.0.0.1 now, outside the ephemeral range (all held open
+    together while choosing)."""
+    chosen: list[int] = []
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        for port in random.sample(_PORTS, len(_PORTS)):
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise OSError(f"no {count} free ports in {_PORTS.start}..{_PORTS.stop - 1}")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
