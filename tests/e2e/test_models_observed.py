@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import pytest_asyncio
-from playwright.async_api import Error, async_playwright, expect
+from playwright.async_api import Browser, expect
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.conftest import CHROMIUM_ARGS
 from e2e.test_fleet_page import LIVE_MS
 from narwhal.app.server import RouterServer
 from narwhal.commands.top import render
@@ -167,39 +164,26 @@ async def test_state_and_top_show_both_models_and_the_adapter(two_models: Stack)
     assert rows == {"pa": "model-a", "da": "model-a"}
 
 
-async def test_the_fleet_page_groups_engines_by_model(two_models: Stack) -> None:
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.skip("no chromium on PATH (make test installs it with apt-get where it can)")
+async def test_the_fleet_page_groups_engines_by_model(two_models: Stack, browser: Browser) -> None:
     stack = two_models
     await serve_each(stack, times=1)
-    async with async_playwright() as playwright:
-        try:
-            browser = await playwright.chromium.launch(
-                executable_path=executable, args=CHROMIUM_ARGS
-            )
-        except Error as error:
-            pytest.skip(f"chromium is installed but cannot start here: {error.message[:300]}")
-        try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            await page.goto(stack.url + "/")
-            for model in ("model-a", "model-b"):
-                group = page.locator(f'[data-model="{model}"]')
-                await expect(group.locator("[data-engine]")).to_have_count(2, timeout=LIVE_MS)
-                await expect(group.locator('[data-field="pool-summary"]')).to_contain_text(
-                    "prefill 1/1 · decode 1/1 admitted", timeout=LIVE_MS
-                )
-            card = page.locator('[data-model="model-a"] [data-engine="da"]')
-            await expect(card.locator('[data-field="model"]')).to_have_text("model-a")
-            await expect(card.locator('[data-field="adapters"]')).to_contain_text("sql")
-            summary = page.locator('[data-model="model-a"] [data-field="pool-summary"]')
-            await expect(summary).to_contain_text(re.compile(r"adapters sql \(\d\)"))
-            await expect(page.locator("#model")).to_have_text("model-a · model-b")
-            assert errors == []
-        finally:
-            await browser.close()
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(stack.url + "/")
+    for model in ("model-a", "model-b"):
+        group = page.locator(f'[data-model="{model}"]')
+        await expect(group.locator("[data-engine]")).to_have_count(2, timeout=LIVE_MS)
+        await expect(group.locator('[data-field="pool-summary"]')).to_contain_text(
+            "prefill 1/1 · decode 1/1 admitted", timeout=LIVE_MS
+        )
+    card = page.locator('[data-model="model-a"] [data-engine="da"]')
+    await expect(card.locator('[data-field="model"]')).to_have_text("model-a")
+    await expect(card.locator('[data-field="adapters"]')).to_contain_text("sql")
+    summary = page.locator('[data-model="model-a"] [data-field="pool-summary"]')
+    await expect(summary).to_contain_text(re.compile(r"adapters sql \(\d\)"))
+    await expect(page.locator("#model")).to_have_text("model-a · model-b")
+    assert errors == []
 
 
 async def test_concurrent_requests_of_both_models_count_apart(two_models: Stack) -> None:
