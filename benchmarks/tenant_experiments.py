@@ -69,7 +69,7 @@ from tenant_figures import (
 )
 from workers_bench import requests_by_worker
 
-from narwhal.tools.goodput.tenants import TenantLoad, stats_json
+from narwhal.tools.goodput.tenants import TenantLoad, TenantStats, stats_json
 from narwhal.tools.sim.profiles import PROFILES
 
 EXPERIMENTS = ("isolation", "weights", "priority", "limits", "cpu")
@@ -227,6 +227,22 @@ class Experiments:
         self.capacity = capacity
         return capacity
 
+    async def _light_then_flooded(
+        self, name: str, light: TenantLoad, flood: TenantLoad
+    ) -> tuple[TenantStats, TenantStats, TenantStats]:
+        """`light` alone, then beside `flood` (both runs journaled): the light tenant's
+        figures alone and flooded, and the flood's."""
+        plan = self.plan
+        window = (plan.settle_s, plan.run_s)
+        both = [flood, light]
+        alone_run = await self._run(f"{name}-alone", both, [light], plan.run_s, journal=True)
+        flood_run = await self._run(f"{name}-flood", both, both, plan.run_s, journal=True)
+        return (
+            alone_run.stats(light.name, self.slo, window),
+            flood_run.stats(light.name, self.slo, window),
+            flood_run.stats(flood.name, self.slo, window),
+        )
+
     async def isolation(self, capacity: float) -> None:
         """B at light load alone, then beside A flooding at `flood_factor` x capacity."""
         plan = self.plan
@@ -236,13 +252,7 @@ class Experiments:
         pairs = tuple(settings.items())
         light = self._tenant("b", settings=pairs, rate=plan.light_share * capacity)
         flood = self._tenant("a", settings=pairs, rate=plan.flood_factor * capacity)
-        window = (plan.settle_s, plan.run_s)
-        both = [flood, light]
-        alone_run = await self._run("isolation-alone", both, [light], plan.run_s, journal=True)
-        flood_run = await self._run("isolation-flood", both, both, plan.run_s, journal=True)
-        alone = alone_run.stats("b", self.slo, window)
-        flooded = flood_run.stats("b", self.slo, window)
-        a = flood_run.stats("a", self.slo, window)
+        alone, flooded, a = await self._light_then_flooded("isolation", light, flood)
         say(f"isolation, B alone:   {stats_line(alone)}")
         say(f"isolation, B flooded: {stats_line(flooded)}")
         say(f"isolation, A:         {stats_line(a)}")
@@ -311,13 +321,7 @@ class Experiments:
         flood = self._tenant(
             "band1", settings=(("priority", 1),), rate=plan.flood_factor * capacity
         )
-        window = (plan.settle_s, plan.run_s)
-        both = [flood, important]
-        alone_run = await self._run("priority-alone", both, [important], plan.run_s, journal=True)
-        flood_run = await self._run("priority-flood", both, both, plan.run_s, journal=True)
-        alone = alone_run.stats("band0", self.slo, window)
-        flooded = flood_run.stats("band0", self.slo, window)
-        low = flood_run.stats("band1", self.slo, window)
+        alone, flooded, low = await self._light_then_flooded("priority", important, flood)
         say(f"priority, band 0 alone:   {stats_line(alone)}")
         say(f"priority, band 0 flooded: {stats_line(flooded)}")
         say(f"priority, band 1:         {stats_line(low)}")
