@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from narwhal.config.controller import ControllerConfig, SloConfig
 from narwhal.config.engine_spec import ContractValue, EngineContract, EngineSpec, Role
 from narwhal.config.placement import PlacementConfig
+from narwhal.config.responses import ResponsesConfig
 from narwhal.config.root import (
     ConfigError,
     EngineConfig,
@@ -111,6 +112,7 @@ def test_every_key_is_documented() -> None:
         ControllerConfig,
         SloConfig,
         PlacementConfig,
+        ResponsesConfig,
     ]
     keys = {f.name for cls in classes for f in dataclasses.fields(cls)} - {"extra"}
     assert {key for key in keys if f"`{key}`" not in doc} == set()

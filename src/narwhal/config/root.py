@@ -39,6 +39,7 @@ from narwhal.config.models import (
     parse_model,
 )
 from narwhal.config.placement import PlacementConfig, parse_placement
+from narwhal.config.responses import ResponsesConfig, parse_responses
 from narwhal.config.table import Problems, Table, env_name, show
 from narwhal.config.tenants import (
     TenantConfig,
@@ -177,6 +178,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     tenants: tuple[TenantConfig, ...] = ()
     tenants_policy: TenantsPolicy = field(default_factory=TenantsPolicy)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     # Key paths left unset whose default was clamped to fit another key (see `_BOUNDED`).
     derived: tuple[str, ...] = ()
 
@@ -281,6 +283,7 @@ def _build(raw: object, source: str) -> Config:
         for index, entry in enumerate(top.items("tenants", required=False) or ())
     )
     tenants_policy = parse_tenants_policy(top.table("tenants_policy"))
+    responses = parse_responses(top.table("responses"))
     # With discovery on, `[[engines]]` may be absent: the pods are the fleet.
     entries = top.items("engines", required=not discovery.enabled)
     engines: dict[str, EngineSpec] = {}
@@ -311,6 +314,7 @@ def _build(raw: object, source: str) -> Config:
         lora,
         tenants,
         tenants_policy,
+        responses,
     )
     config = _derive_defaults(config, raw)
     check_tenants(tenants, tenants_policy, problems)
