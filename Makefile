@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint check-types unit browser terminal bench-sim bench bench-setup vllm-env tiny-model real real-continuation record-vllm
+.PHONY: run test lint check-types unit browser terminal redis bench-sim bench bench-setup vllm-env tiny-model real real-continuation record-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,7 @@ lint: $(STAMP)
 check-types: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP) browser terminal
+unit: $(STAMP) browser terminal redis
 	$(PY) -m pytest
 
 # The fleet page is tested in Debian's chromium; install it where apt can (CI runs as root).
@@ -40,6 +40,14 @@ terminal:
 		apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; \
 	} || echo "tmux could not be installed: the narwhal top terminal tests will be skipped"
+
+# The Redis store of stored responses is tested on a real redis-server; installed the same way.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		[ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	} || echo "redis-server could not be installed: the Redis store tests will be skipped"
 
 test: lint check-types unit real real-continuation
 

@@ -1,0 +1,1 @@
+"""Stored Responses API responses: the conversations the router keeps for its clients."""
