@@ -18,6 +18,10 @@ from narwhal.tools.sim.faults import Phase
 from narwhal.tools.sim.model import VOCAB_SIZE, Sampling, chat_prompt, tokenize
 
 Route = Literal["completions", "chat"]
+"""The routes whose bodies `parse_request` reads."""
+
+Endpoint = Route | Literal["responses"]
+"""Every inference route: the Responses API's body is read by `sim.responses_api`."""
 
 PRIORITY_HEADER = "X-Vllm-Priority"
 """vLLM 0.32 reads a request's priority from this header when it holds an integer, before
@@ -71,9 +75,9 @@ class ApiError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
-    """One completions or chat request, checked against the engine's limits."""
+    """One completions, chat or Responses request, checked against the engine's limits."""
 
-    route: Route
+    route: Endpoint
     prompt_tokens: list[int]
     max_tokens: int
     sampling: Sampling
@@ -281,11 +285,12 @@ def _messages(body: dict[str, object]) -> list[dict[str, object]]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message needs a string role", "messages")
-        rendered.append({"role": message["role"], "content": _content(message.get("content"))})
+        rendered.append({"role": message["role"], "content": content_text(message.get("content"))})
     return rendered
 
 
-def _content(content: object) -> str:
+def content_text(content: object) -> str:
+    """A message's content as the chat template gets it: a string, or its text parts joined."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):

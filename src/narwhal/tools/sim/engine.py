@@ -24,6 +24,7 @@ from aiohttp import web
 from narwhal.tools.sim.api import (
     PRIORITY_HEADER,
     ApiError,
+    Endpoint,
     InferenceRequest,
     Route,
     parse_request,
@@ -53,6 +54,8 @@ from narwhal.tools.sim.options import SimOptions
 from narwhal.tools.sim.outputs import JsonOutput, Output, SseOutput, error_response
 from narwhal.tools.sim.prompt import Prompt, process_prompt, usage
 from narwhal.tools.sim.responses import StreamEncoder
+from narwhal.tools.sim.responses_api import ResponsesCall, parse_responses_request
+from narwhal.tools.sim.responses_stream import responses_output, responses_usage
 from narwhal.tools.sim.scheduler import Scheduler, Seat
 from narwhal.tools.sim.steps import StepLoop
 
@@ -240,7 +243,7 @@ class SimEngine:
 
     # -- the request path ------------------------------------------------------------------
 
-    async def _inference(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def _inference(self, request: web.Request, route: Endpoint) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None
         self._in_flight.add(task)
@@ -249,7 +252,7 @@ class SimEngine:
         finally:
             self._in_flight.discard(task)
 
-    async def _serve_inference(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def _serve_inference(self, request: web.Request, route: Endpoint) -> web.StreamResponse:
         launch = self._launch
         created = int(time.time())
         raw = await request.read()
@@ -264,15 +267,26 @@ class SimEngine:
                 request.headers.get(PRIORITY_HEADER),
             )
         )
+        call: ResponsesCall | None = None
         try:
-            inference = parse_request(
-                raw,
-                route,
-                model=self.options.model,
-                max_model_len=self.options.max_model_len,
-                adapters=launch.loras,
-                priority_header=request.headers.get(PRIORITY_HEADER),
-            )
+            if route == "responses":
+                call = parse_responses_request(
+                    raw,
+                    model=self.options.model,
+                    max_model_len=self.options.max_model_len,
+                    adapters=launch.loras,
+                    priority_header=request.headers.get(PRIORITY_HEADER),
+                )
+                inference = call.inference
+            else:
+                inference = parse_request(
+                    raw,
+                    route,
+                    model=self.options.model,
+                    max_model_len=self.options.max_model_len,
+                    adapters=launch.loras,
+                    priority_header=request.headers.get(PRIORITY_HEADER),
+                )
             fault = self._fault_for(request, inference, launch)
             blocks = self._blocks_needed(inference)
         except ApiError as error:
@@ -281,32 +295,18 @@ class SimEngine:
             if rejected is not None:
                 await release_rejected(rejected)
             return error_response(error)
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        response_id = ("chatcmpl-" if route == "chat" else "cmpl-") + request_id
         output: Output
         options = self.options
-        if inference.stream:
-            encoder = StreamEncoder(
-                route,
-                response_id,
-                created,
-                inference.model,
-                fingerprint=self.fingerprint,
-                reasoning_field=options.reasoning_field,
-                prompt_token_ids=inference.prompt_tokens if inference.return_token_ids else None,
-            )
-            output = SseOutput(request, inference, encoder, options.reasoning_tokens)
+        if route == "responses":
+            # The body's `request_id` names a Responses request (vLLM reads no X-Request-Id
+            # there); the engine, its KV holds and its descriptor know it as sub-request 0.
+            assert call is not None
+            response_id = call.engine_request_id
+            output = responses_output(request, call, created)
         else:
-            output = JsonOutput(
-                request,
-                inference,
-                response_id,
-                created,
-                inference.model,
-                fingerprint=self.fingerprint,
-                reasoning_tokens=options.reasoning_tokens,
-                reasoning_field=options.reasoning_field,
-            )
+            request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            response_id = ("chatcmpl-" if route == "chat" else "cmpl-") + request_id
+            output = self._output(request, route, inference, response_id, created)
 
         if fault.crash:
             self._crash_by_fault()
@@ -355,12 +355,15 @@ class SimEngine:
                 return cut_short
             launch.counters.generation_tokens += generation.completion_tokens
             descriptor = None
-            if inference.is_prefill and not inference.stream:
+            # A streamed response, unlike a chat stream, can carry the descriptor (in its
+            # `response.completed`).
+            if inference.is_prefill and (not inference.stream or call is not None):
                 descriptor = self._hold_for_pull(
                     launch, seat, generation, prompt, response_id, fault, inference.adapter
                 )
+            count = usage if call is None else responses_usage
             return await output.finish(
-                generation, usage(options, inference, generation, prompt), descriptor
+                generation, count(options, inference, generation, prompt), descriptor
             )
         except ConnectionError:
             # The client went away mid-stream: its request is over.
@@ -368,6 +371,38 @@ class SimEngine:
         finally:
             if seat is not None:
                 launch.scheduler.release(seat)
+
+    def _output(
+        self,
+        request: web.Request,
+        route: Route,
+        inference: InferenceRequest,
+        response_id: str,
+        created: int,
+    ) -> Output:
+        """Where a completions or chat request's answer goes: a stream or one object."""
+        options = self.options
+        if inference.stream:
+            encoder = StreamEncoder(
+                route,
+                response_id,
+                created,
+                inference.model,
+                fingerprint=self.fingerprint,
+                reasoning_field=options.reasoning_field,
+                prompt_token_ids=inference.prompt_tokens if inference.return_token_ids else None,
+            )
+            return SseOutput(request, inference, encoder, options.reasoning_tokens)
+        return JsonOutput(
+            request,
+            inference,
+            response_id,
+            created,
+            inference.model,
+            fingerprint=self.fingerprint,
+            reasoning_tokens=options.reasoning_tokens,
+            reasoning_field=options.reasoning_field,
+        )
 
     def _fault_for(
         self, request: web.Request, inference: InferenceRequest, launch: _Launch
@@ -537,6 +572,7 @@ class SimEngine:
         routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
             ("POST", "/v1/completions", self._completions),
             ("POST", "/v1/chat/completions", self._chat_completions),
+            ("POST", "/v1/responses", self._responses),
             ("GET", "/health", self._health),
             ("GET", "/v1/models", self._models),
             ("GET", "/version", self._version),
@@ -561,6 +597,9 @@ class SimEngine:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._inference(request, "chat")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "responses")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()

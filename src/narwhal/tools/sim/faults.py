@@ -3,6 +3,11 @@
 A fault is armed from the command line, the `/sim/faults` route or `SimEngine.set_fault`,
 and fires on the next inference requests of its phase (`times` of them, or until cleared).
 The `x-sim-fault` header applies one fault to its own request only.
+
+On `/v1/responses` a stream has no `[DONE]` and vLLM 0.32 no error event: `close_after`
+and `error_after` both cut the body after K deltas (no `response.completed`),
+`done_before_token` completes the response with no output, and `silence_metadata` sends
+no keep-alive comments (vLLM sends none on that route).
 """
 
 from __future__ import annotations

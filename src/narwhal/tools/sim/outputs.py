@@ -226,8 +226,10 @@ class JsonOutput:
             ),
             token_ids=generation.token_ids if self._inference.return_token_ids else None,
         )
+        route = self._inference.route
+        assert route != "responses", "a Responses request has its own outputs"
         body = completion(
-            self._inference.route,
+            route,
             self._response_id,
             self._created,
             self._model,

@@ -26,12 +26,15 @@ from narwhal.tools.sim.steps import StepLoop
 class Prompt:
     """A processed prompt: its block digests and where its tokens' KV came from.
 
-    `weights` is what the text goes on to be generated with (see `kv_weights`)."""
+    `weights` is what the text goes on to be generated with (see `kv_weights`);
+    `computed_tokens` the prompt tokens this engine computed itself (neither cached nor
+    pulled)."""
 
     digests: list[bytes]
     tokens: int
     cached_tokens: int
     weights: str | None = None
+    computed_tokens: int = 0
 
 
 def kv_weights(producer_adapter: str | None, consumer_adapter: str | None) -> str | None:
@@ -115,7 +118,8 @@ async def process_prompt(
     await asyncio.sleep(options.request_overhead_s / options.speed)
     await steps.prefill(compute_tokens)
     prefix_cache.add(digests[:full_blocks])
-    return Prompt(digests, len(tokens), min(local_tokens, len(tokens) - compute_tokens), weights)
+    cached = min(local_tokens, len(tokens) - compute_tokens)
+    return Prompt(digests, len(tokens), cached, weights, compute_tokens)
 
 
 def usage(
@@ -131,12 +135,27 @@ def usage(
     """
     cached = None
     if options.enable_prompt_tokens_details:
-        cached = prompt.cached_tokens
-        params = inference.kv_transfer_params
-        remote = params.get("remote_prefill_cached_tokens") if params else None
-        if inference.is_remote_decode and type(remote) is int:
-            cached = remote
+        cached = reported_cached_tokens(inference, prompt)
     reasoning = None
     if options.reasoning_tokens and inference.route == "chat":
         reasoning = min(options.reasoning_tokens, generation.completion_tokens)
     return Usage(len(inference.prompt_tokens), generation.completion_tokens, cached, reasoning)
+
+
+def reported_cached_tokens(inference: InferenceRequest, prompt: Prompt) -> int:
+    """The cached prompt tokens vLLM 0.32 reports for a request (its `num_cached_tokens`):
+    the local prefix-cache hits, or for a decode whose KV came over the side channel the
+    producer's own hits (`remote_prefill_cached_tokens`)."""
+    params = inference.kv_transfer_params
+    remote = params.get("remote_prefill_cached_tokens") if params else None
+    if inference.is_remote_decode and type(remote) is int:
+        return remote
+    return prompt.cached_tokens
+
+
+def cache_write_tokens(options: SimOptions, prompt: Prompt) -> int:
+    """The prompt tokens a request newly wrote to the prefix cache, as vLLM 0.32 counts
+    them (`num_cache_creation_tokens`): its whole prompt blocks, less the tokens it did not
+    compute itself."""
+    size = options.kv_block_size
+    return max(0, prompt.tokens // size * size - (prompt.tokens - prompt.computed_tokens))

@@ -26,12 +26,15 @@ _ENCODED_WORDS = {word: orjson.dumps(word) for word in VOCAB}
 @dataclass(frozen=True, slots=True)
 class Usage:
     """A request's token counts; `cached_tokens` and `reasoning_tokens` are None when the
-    engine does not report them (no `--enable-prompt-tokens-details`, no reasoning parser)."""
+    engine does not report them (no `--enable-prompt-tokens-details`, no reasoning parser).
+    `cache_write_tokens` (prompt tokens newly written to the prefix cache) only the
+    Responses API reports."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
     def streamed(self) -> dict[str, object]:
         """The usage chunk's member: vLLM leaves out what is None there."""
