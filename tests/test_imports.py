@@ -26,6 +26,7 @@ LAYERS = [
     "engines",
     "fleet",
     "tenants",
+    "conversations",
     "router",
     "control",
     "observe",

@@ -58,7 +58,11 @@ def test_redis_needs_its_url() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "problem"),
     [
-        ("store", "memory", 'responses.store: must be one of "sqlite", "redis", "off", got "memory"'),
+        (
+            "store",
+            "memory",
+            'responses.store: must be one of "sqlite", "redis", "off", got "memory"',
+        ),
         (
             "redis_url",
             "http://cache:6379",

@@ -92,3 +92,48 @@ def test_the_one_pass_read_agrees_with_the_scan_on_any_layout(
     assert found == _scanned_descriptor(raw)
     if placement == "top" and value is not None and not spaced:
         assert found == descriptor
+
+
+def responses_answer(descriptor: bytes, usage: bytes = b'{"input_tokens": 12}') -> bytes:
+    """A Responses prefill answer (`/v1/responses`) as the producer writes it."""
+    return (
+        b'{"id": "resp_r1", "object": "response", "status": "incomplete", '
+        b'"output": [{"type": "message", "role": "assistant", '
+        b'"content": [{"type": "output_text", "text": "H"}]}], '
+        b'"usage": ' + usage + b', "kv_transfer_params": ' + descriptor + b"}"
+    )
+
+
+def test_a_responses_answer_gives_its_descriptor_byte_for_byte_and_its_input_tokens() -> None:
+    assert parse_prefill_answer(responses_answer(DESCRIPTOR), "p", responses=True) == (
+        DESCRIPTOR,
+        12,
+    )
+
+
+def test_a_responses_answer_counts_input_tokens_not_prompt_tokens() -> None:
+    raw = responses_answer(b"null", b'{"prompt_tokens": 9, "input_tokens": true}')
+    assert parse_prefill_answer(raw, "p", responses=True) == (None, None)
+
+
+def test_a_responses_answer_mentioning_the_member_in_its_text_still_finds_the_descriptor() -> None:
+    raw = responses_answer(DESCRIPTOR).replace(b'"text": "H"', b'"text": "kv_transfer_params"')
+    assert parse_prefill_answer(raw, "p", responses=True) == (DESCRIPTOR, 12)
+    nested = responses_answer(DESCRIPTOR).replace(
+        b'"role": "assistant"', b'"role": "assistant", "kv_transfer_params": {"a": 1}'
+    )
+    assert parse_prefill_answer(nested, "p", responses=True) == (DESCRIPTOR, 12)
+
+
+def test_a_responses_answer_read_as_a_completion_is_not_a_completion() -> None:
+    with pytest.raises(NarwhalError) as caught:
+        parse_prefill_answer(responses_answer(DESCRIPTOR), "p")
+    assert caught.value.cause is Cause.BAD_RESPONSE and caught.value.status == 502
+    assert caught.value.message == "engine p sent a prefill answer that is not a completion"
+
+
+def test_a_completion_read_as_a_responses_answer_is_a_bad_response() -> None:
+    completion = b'{"choices": [], "kv_transfer_params": ' + DESCRIPTOR + b"}"
+    with pytest.raises(NarwhalError) as caught:
+        parse_prefill_answer(completion, "p", responses=True)
+    assert caught.value.cause is Cause.BAD_RESPONSE

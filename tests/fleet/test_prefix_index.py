@@ -42,7 +42,11 @@ def test_prompt_text_reads_completions_chats_and_token_ids() -> None:
     assert text is not None and more is not None and more.startswith(text)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert prompt_text(parts) == prompt_text({"messages": [{"role": "user", "content": "hi"}]})
-    assert prompt_text({"input": "x"}) is None
+    # A Responses input reads as the messages it stands for.
+    assert prompt_text({"input": "x"}) == prompt_text(
+        {"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert prompt_text({"max_tokens": 3}) is None
 
 
 @given(st.lists(st.lists(st.integers(0, 50), max_size=12), max_size=30), st.integers(1, 40))
@@ -90,3 +94,25 @@ def test_clear_forgets_one_engine() -> None:
     index.record("b", [1])
     index.clear("a")
     assert (index.size("a"), index.size("b")) == (0, 1)
+
+
+def test_a_responses_follow_up_shares_its_first_turns_prefix() -> None:
+    first = prompt_text({"input": "Tell me about whales", "instructions": "Be brief."})
+    follow_up = prompt_text(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"type": "message", "role": "user", "content": "Tell me about whales"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "They are large."}],
+                },
+                {"role": "user", "content": [{"type": "input_text", "text": "How large?"}]},
+            ],
+        }
+    )
+    assert first is not None and follow_up is not None
+    assert follow_up.startswith(first)
+    assert follow_up.endswith("assistant\x1eThey are large.\x1euser\x1eHow large?\x1e")
+    assert prompt_text({"input": "a"}) != prompt_text({"input": "b"})

@@ -154,3 +154,15 @@ def test_prompt_tokens_are_estimated_from_text_or_counted_as_ids() -> None:
     assert estimate_prompt_tokens(chat) == 3 + 1
     ids = completion(prompt=[1, 2, 3, 4, 5])
     assert estimate_prompt_tokens(ids) == 5
+    text = parse_client_request(
+        Endpoint.RESPONSES, orjson.dumps({"input": "abcd" * 2, "instructions": "abcd"}), "m"
+    )
+    assert estimate_prompt_tokens(text) == 2 + 1
+    items = parse_client_request(
+        Endpoint.RESPONSES,
+        orjson.dumps(
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "abcd" * 5}]}]}
+        ),
+        "m",
+    )
+    assert estimate_prompt_tokens(items) == 5

@@ -19,6 +19,7 @@ from narwhal.config.root import Config, parse_config
 from narwhal.engines.client import EngineClient, LegBounds
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
 from narwhal.fleet.breaker import Breaker
 from narwhal.fleet.models import Catalog
@@ -154,6 +155,22 @@ class FakeLegs:
         if delivery is not None:
             delivery.written = True
         return parse_whole_answer(self.whole, name)
+
+    async def send_responses(
+        self,
+        consumer_url: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        rewrite: Mapping[str, Any],
+        engine: str | None = None,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
+    ) -> ResponsesStream:
+        # The Responses route's legs are tested over sockets (tests/e2e/test_responses.py).
+        raise NotImplementedError("the scripted legs serve the completions and chat routes")
 
 
 def config(engines: Iterable[tuple[str, str]], **sections: Mapping[str, object]) -> Config:

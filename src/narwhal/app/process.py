@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from narwhal.config.environment import process_environment
+from narwhal.config.responses import ResponsesConfig
 from narwhal.config.root import Config
 from narwhal.config.secrets import Secrets
 from narwhal.config.tracing import resolve_tracing
 from narwhal.control.loop import ControlLoop
 from narwhal.control.phase_latency import PhaseLatency
+from narwhal.conversations.record import ConversationStore
 from narwhal.engines.client import EngineClient
 from narwhal.engines.kv_events import KvEventFeeds
 from narwhal.fleet.adapters import Adapters
@@ -48,6 +50,7 @@ from narwhal.router.outcome import Outcome
 from narwhal.router.releases import Releases
 from narwhal.router.reply import Reply
 from narwhal.router.request import RequestPath
+from narwhal.router.responses import Conversations
 from narwhal.router.retry import Retries
 from narwhal.runtime.background import Background
 from narwhal.tenants.limits import TenantLimits
@@ -190,6 +193,8 @@ class Router:
             self.continuation_budget,
             failure_quarantine_s=config.recovery.failure_quarantine_s,
         )
+        # The Responses route's store, opened on the route's first use.
+        self.conversations = Conversations(config.responses, _open_store, self.background.spawn)
         attempt = Attempt(
             config, self.client, self.fleet, self.outcome, self.abandoned, self.releases
         )
@@ -200,6 +205,7 @@ class Router:
             self.outcome,
             tracer=self.tracing,
             admission=self.admission,
+            conversations=self.conversations,
             call_hooks=[*call_hooks, *hooks.ended],
             first_token_hooks=first_token_hooks,
             arrival_hooks=[*arrival_hooks, *hooks.arrival],
@@ -235,6 +241,7 @@ class Router:
         at the end of the lease), then close the client, the journal and tracing."""
         await self.kv_events.stop()
         await self.background.stop()
+        await self.conversations.close()
         await self.client.__aexit__(None, None, None)
         await self.journal.close()
         if self.tracing is not None:
@@ -269,6 +276,14 @@ class Router:
     def _journal_call(self, call: Call, now: float) -> None:
         if self.journal.writing:
             self.journal.record(call.entry(now))
+
+
+async def _open_store(config: ResponsesConfig) -> ConversationStore | None:
+    """The conversation store `[responses]` names; its modules (and the Redis client) are
+    imported only when the Responses route is first used."""
+    from narwhal.conversations.open import open_store
+
+    return await open_store(config)
 
 
 def _start_tracing(config: Config) -> Tracing | None:

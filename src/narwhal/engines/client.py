@@ -34,8 +34,10 @@ from narwhal.engines.http import (
 )
 from narwhal.engines.leg_errors import bad_stream, error_object, status_error, transport_error
 from narwhal.engines.prefill_answer import parse_prefill_answer
+from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
-from narwhal.protocol.bodies import decode_body, prefill_body, whole_decode_body
+from narwhal.protocol import responses
+from narwhal.protocol.bodies import Endpoint, decode_body, prefill_body, whole_decode_body
 from narwhal.protocol.errors import Cause, engine_error
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.sse import (
@@ -179,7 +181,12 @@ class EngineClient:
         timeout_s = (bounds or self.bounds).prefill_timeout_s
         request_id = request_id or new_request_id()
         started_at = asyncio.get_running_loop().time()
-        data = prefill_body(body, crossed=not same_worker)
+        if endpoint == Endpoint.RESPONSES:
+            data = responses.prefill_body(
+                body, crossed=not same_worker, request_id=responses.response_id(request_id)
+            )
+        else:
+            data = prefill_body(body, crossed=not same_worker)
         self.open_legs += 1
         connection: Connection | None = None
         try:
@@ -207,7 +214,9 @@ class EngineClient:
             if connection is not None:
                 # Back to the pool only when its answer was read to the end.
                 connection.release()
-        descriptor, prompt_tokens = parse_prefill_answer(raw, name)
+        descriptor, prompt_tokens = parse_prefill_answer(
+            raw, name, responses=endpoint == Endpoint.RESPONSES
+        )
         return PrefillResult(
             producer_url=producer_url,
             endpoint=endpoint,
@@ -430,6 +439,83 @@ class EngineClient:
                 # which aborts the request in the engine.
                 connection.release()
         return parse_whole_answer(raw, name)
+
+    async def send_responses(
+        self,
+        consumer_url: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        rewrite: Mapping[str, Any],
+        engine: str | None = None,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
+    ) -> ResponsesStream:
+        """A Responses decode leg, streamed, up to its first output delta (the first-token
+        timeout covers connect, headers and the KV pull, as on the other routes).
+        `rewrite`: members the stream sets in the response objects it relays."""
+        name = engine or consumer_url
+        bounds = bounds or self.bounds
+        data = responses.decode_body(
+            body, descriptor, request_id=responses.response_id(result.request_id), stream=True
+        )
+        self.open_legs += 1
+        connection: Connection | None = None
+        stream: ResponsesStream | None = None
+        try:
+            async with clock().timeout(bounds.first_token_timeout_s):
+                connection = await self._post(
+                    consumer_url,
+                    Endpoint.RESPONSES,
+                    data,
+                    result.request_id,
+                    trace,
+                    None if delivery is None else delivery.sent,
+                )
+                if connection.status != 200:
+                    if delivery is not None:
+                        delivery.refused = True
+                    raise await status_error(connection, name, "decode")
+                stream = ResponsesStream(
+                    connection,
+                    name,
+                    bounds.decode_read_timeout_s,
+                    rewrite=rewrite,
+                    on_close=self._leg_closed,
+                    gaps=self.gaps,
+                )
+                await stream.first_output()
+                return stream
+        except HttpError as exc:
+            self._abort(stream, connection)
+            if connection is None:
+                raise transport_error(exc, name, "decode") from None
+            raise engine_error(
+                Cause.CLOSED_EARLY,
+                f"decode stream from engine {name} broke before any token: {exc}",
+                name,
+            ) from None
+        except TimeoutError:
+            self._abort(stream, connection)
+            raise engine_error(
+                Cause.FIRST_TOKEN_TIMEOUT,
+                f"engine {name} produced no token within the first-token timeout "
+                f"({bounds.first_token_timeout_s:g} s)",
+                name,
+            ) from None
+        except BaseException:
+            self._abort(stream, connection)
+            raise
+
+    def _abort(self, stream: ResponsesStream | None, connection: Connection | None) -> None:
+        """A Responses leg that failed before its first output: closed, counted once."""
+        if stream is not None:
+            stream.close()
+        else:
+            self._leg_closed()
+            _close(connection)
 
     def _leg_closed(self) -> None:
         self.open_legs -= 1

@@ -26,20 +26,33 @@ class _Answer(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
 
 
+class _Response(msgspec.Struct):
+    """The same, of a Responses prefill answer (`/v1/responses`)."""
+
+    output: list[msgspec.Raw]
+    usage: Any = None
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+
+
 _ANSWERS = msgspec.json.Decoder(_Answer)
+_RESPONSES = msgspec.json.Decoder(_Response)
 
 
-def parse_prefill_answer(raw: bytes, engine: str) -> tuple[bytes | None, int | None]:
-    """The raw descriptor (None if null or absent) and the prompt's token count."""
+def parse_prefill_answer(
+    raw: bytes, engine: str, *, responses: bool = False
+) -> tuple[bytes | None, int | None]:
+    """The raw descriptor (None if null or absent) and the prompt's token count;
+    `responses`: the answer is a Responses object (`/v1/responses`)."""
     try:
-        answer = _ANSWERS.decode(raw)
+        answer: _Answer | _Response = (_RESPONSES if responses else _ANSWERS).decode(raw)
         # The typed parse skips what it does not build without checking its UTF-8.
         if not raw.isascii():
             raw.decode()
     except (msgspec.DecodeError, UnicodeDecodeError):
         raise _not_a_completion(engine) from None
     usage = answer.usage
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    counted = "input_tokens" if responses else "prompt_tokens"
+    prompt_tokens = usage.get(counted) if isinstance(usage, dict) else None
     tokens = prompt_tokens if type(prompt_tokens) is int else None
     mentions = raw.count(_NAME)
     if mentions == 0:
@@ -69,7 +82,7 @@ def _scanned_descriptor(raw: bytes) -> bytes | None:
         return None if descriptor == b"null" else descriptor
     spans = member_spans(raw)
     span = spans.get("kv_transfer_params")
-    if span is None:
+    if span is None and "choices" in spans:
         # Some versions put it inside the first choice.
         choices = orjson.loads(raw)["choices"]
         first = first_element_span(raw, spans["choices"][0]) if choices else None

@@ -25,8 +25,9 @@ _SEPARATOR = "\x1e"
 
 
 def prompt_text(body: Mapping[str, object]) -> str | None:
-    """The text a request's prompt is cached by: a completion's prompt, or a chat's messages
-    (each role and text content, in order); None when it has neither.
+    """The text a request's prompt is cached by: a completion's prompt, a chat's messages
+    (each role and text content, in order), or a Responses request's input; None when it
+    has none of these.
 
     Token-id prompts are written as their decimal ids, so equal id prefixes still share a
     text prefix.
@@ -39,6 +40,8 @@ def prompt_text(body: Mapping[str, object]) -> str | None:
     if isinstance(prompt, list):
         return " ".join(str(token) for token in prompt)
     messages = body.get("messages")
+    if "input" in body:
+        return _responses_text(body)
     if not isinstance(messages, list):
         return None
     parts: list[str] = []
@@ -46,6 +49,25 @@ def prompt_text(body: Mapping[str, object]) -> str | None:
         if not isinstance(message, Mapping):
             continue
         parts.append(f"{message.get('role')}{_SEPARATOR}{_content(message.get('content'))}")
+    return _SEPARATOR.join(parts) + _SEPARATOR
+
+
+def _responses_text(body: Mapping[str, object]) -> str:
+    """A Responses request's instructions, then each input item's role (or type) and text:
+    a string input reads as the one user message it stands for, so that a follow-up, whose
+    input is the whole conversation as items, shares its first turn's prefix."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    parts = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        parts.append(f"instructions{_SEPARATOR}{instructions}")
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        role = item.get("role") or item.get("type")
+        parts.append(f"{role}{_SEPARATOR}{_content(item.get('content'))}")
     return _SEPARATOR.join(parts) + _SEPARATOR
 
 

@@ -15,6 +15,7 @@ from narwhal.fleet.served import listing
 from narwhal.http.admin import add_admin_routes
 from narwhal.http.aiohttp_reply import AiohttpReply
 from narwhal.http.page import add_page_routes
+from narwhal.http.responses import add_responses_routes
 from narwhal.http.served import Served
 from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import Cause, NarwhalError
@@ -96,6 +97,11 @@ def build_app(
         await router.handle(reply, Endpoint.CHAT)
         return reply.response
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        reply = AiohttpReply(request)
+        await router.handle(reply, Endpoint.RESPONSES)
+        return reply.response
+
     async def models(request: web.Request) -> web.StreamResponse:
         body = listing(router.fleet, config.lora, created)
         return web.Response(body=orjson.dumps(body), content_type="application/json")
@@ -116,6 +122,8 @@ def build_app(
 
     app.router.add_post(Endpoint.COMPLETIONS.value, completions)
     app.router.add_post(Endpoint.CHAT.value, chat)
+    app.router.add_post(Endpoint.RESPONSES.value, responses)
+    add_responses_routes(app, router)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/narwhal/state", state)

@@ -1,15 +1,15 @@
-"""The fast lane: the two OpenAI routes, in their usual form, served straight off the socket.
+"""The fast lane: the OpenAI routes that generate, in their usual form, straight off the socket.
 
 aiohttp serves every route, but on the hot path its per-request machinery (request, URL and
 response objects, routing, middlewares, a task per request besides its connection's) cost
 16 to 17 % of the router's CPU per request on the benchmark's shapes. So the router's
 listener reads client connections itself first. A request head is parsed by httptools;
-the usual client request (POST to /v1/completions or /v1/chat/completions, HTTP/1.1, one
-Content-Length within the size limit, no content coding, no Expect or Upgrade, its key
-accepted) is served here and its answer written to the transport directly. Any other
-request hands the connection, from that request's first byte, to aiohttp, which serves
-it and the rest of the connection as it always has (including the 400, 401 and 413
-answers).
+the usual client request (POST to /v1/completions, /v1/chat/completions or /v1/responses,
+HTTP/1.1, one Content-Length within the size limit, no content coding, no Expect or
+Upgrade, its key accepted) is served here and its answer written to the transport
+directly. Any other request hands the connection, from that request's first byte, to
+aiohttp, which serves it and the rest of the connection as it always has (including the
+400, 401 and 413 answers).
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("narwhal.front")
 
-ROUTES = {b"/v1/completions": Endpoint.COMPLETIONS, b"/v1/chat/completions": Endpoint.CHAT}
+ROUTES = {
+    b"/v1/completions": Endpoint.COMPLETIONS,
+    b"/v1/chat/completions": Endpoint.CHAT,
+    b"/v1/responses": Endpoint.RESPONSES,
+}
 # A head this long without its end is aiohttp's to refuse.
 MAX_HEAD = 1 << 16
 # Pipelined bytes held while a request is served, before reading pauses.

@@ -12,6 +12,7 @@ from narwhal.protocol.bodies import Endpoint
 from narwhal.router.abandoned import AbandonedHandoffs
 from narwhal.router.admission import Admission
 from narwhal.router.reply import Reply
+from narwhal.router.responses import Conversations
 
 
 class Served(Protocol):
@@ -31,6 +32,8 @@ class Served(Protocol):
     def abandoned(self) -> AbandonedHandoffs: ...
     @property
     def admission(self) -> Admission | None: ...
+    @property
+    def conversations(self) -> Conversations: ...
 
     async def handle(self, reply: Reply, endpoint: Endpoint) -> None:
         """Serve one client request to its one outcome."""

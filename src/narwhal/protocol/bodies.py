@@ -15,11 +15,13 @@ import orjson
 
 from narwhal.protocol.descriptor import prefill_request_params
 from narwhal.protocol.errors import client_error
+from narwhal.protocol.responses import Ask, check_responses_body
 
 
 class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"
 
 
 # Fields a one-token prefill must not carry (vLLM answers 400 to them without streaming).
@@ -34,10 +36,16 @@ class ClientRequest:
     body: dict[str, Any]
     stream: bool
     include_usage: bool
+    # A Responses request's own asks (storing, the conversation it follows); None on the
+    # other routes.
+    ask: Ask | None = None
 
     @property
     def max_tokens(self) -> int | None:
-        value = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        body = self.body
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if value is None:
+            value = body.get("max_output_tokens")
         return value if isinstance(value, int) else None
 
 
@@ -104,6 +112,8 @@ def parse_client_request(endpoint: Endpoint, raw: bytes, model: str) -> ClientRe
         raise client_error(400, "`model` must be a string")
     # Which pool the name stands for is placement's to say (`fleet.models`).
     body["model"] = requested
+    if endpoint is Endpoint.RESPONSES:
+        return _responses_request(body)
     if endpoint is Endpoint.COMPLETIONS:
         if "prompt" not in body:
             raise client_error(400, "`prompt` is required")
@@ -132,6 +142,14 @@ def parse_client_request(endpoint: Endpoint, raw: bytes, model: str) -> ClientRe
     body.pop("kv_transfer_params", None)
     include_usage = bool(stream and options and options.get("include_usage"))
     return ClientRequest(endpoint, body, stream, include_usage)
+
+
+def _responses_request(body: dict[str, Any]) -> ClientRequest:
+    ask = check_responses_body(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise client_error(400, "`stream` must be a boolean", "stream")
+    return ClientRequest(Endpoint.RESPONSES, body, stream, False, ask)
 
 
 def prefill_body(client_body: Mapping[str, Any], *, crossed: bool) -> bytes:

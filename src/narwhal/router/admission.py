@@ -127,6 +127,17 @@ def estimate_prompt_tokens(request: ClientRequest) -> int:
     if request.endpoint is Endpoint.COMPLETIONS:
         return _tokens_of(body.get("prompt"))
     total = 0
+    if request.endpoint is Endpoint.RESPONSES:
+        # This turn's own input and instructions (the conversation it follows is counted
+        # when the engines report their usage).
+        items = body.get("input")
+        total = _tokens_of(body.get("instructions"))
+        if isinstance(items, str):
+            return total + _tokens_of(items)
+        for item in items or ():
+            if isinstance(item, dict):
+                total += _tokens_of(item.get("content"))
+        return total
     for message in body.get("messages") or ():
         if isinstance(message, dict):
             total += _tokens_of(message.get("content"))

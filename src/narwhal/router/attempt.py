@@ -22,6 +22,7 @@ from narwhal.config.root import Config
 from narwhal.engines.client import LegBounds, new_request_id
 from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.fleet.table import Engine, Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest
@@ -32,9 +33,10 @@ from narwhal.router.continuation import with_token_ids
 from narwhal.router.outcome import Outcome
 from narwhal.router.releases import Releases
 
-# What a decode leg hands the relay: a stream past its first token, or a whole answer.
-Leg = TypeVar("Leg", DecodeStream, WholeAnswer)
-Leg_co = TypeVar("Leg_co", DecodeStream, WholeAnswer, covariant=True)
+# What a decode leg hands the relay: a stream past its first token (a Responses stream on
+# `/v1/responses`), or a whole answer.
+Leg = TypeVar("Leg", DecodeStream, WholeAnswer, ResponsesStream)
+Leg_co = TypeVar("Leg_co", DecodeStream, WholeAnswer, ResponsesStream, covariant=True)
 
 
 class Legs(Protocol):
@@ -86,6 +88,20 @@ class Legs(Protocol):
         trace: bytes = b"",
         delivery: Delivery | None = None,
     ) -> WholeAnswer: ...
+
+    async def send_responses(
+        self,
+        consumer_url: str,
+        body: Mapping[str, Any],
+        result: PrefillResult,
+        descriptor: bytes | None,
+        *,
+        rewrite: Mapping[str, Any],
+        engine: str | None = None,
+        trace: bytes = b"",
+        delivery: Delivery | None = None,
+        bounds: LegBounds | None = None,
+    ) -> ResponsesStream: ...
 
 
 class Decode(Protocol[Leg_co]):
@@ -172,6 +188,17 @@ class Attempt:
         answer's arrival is the request's first byte (and, with no prefill, its first
         token)."""
         return await self._run(call, request, reservation, rescue, self._whole)
+
+    async def run_responses(
+        self,
+        call: Call,
+        request: ClientRequest,
+        reservation: Reservation,
+        *,
+        rescue: bool = False,
+    ) -> ResponsesStream:
+        """One prefill/decode try of a Responses request, up to its first output delta."""
+        return await self._run(call, request, reservation, rescue, self._responses)
 
     async def _run(
         self,
@@ -312,6 +339,31 @@ class Attempt:
             timeout_s=timeout_s,
             trace=call.leg_headers(),
             delivery=delivery,
+        )
+
+    async def _responses(
+        self,
+        call: Call,
+        request: ClientRequest,
+        url: str,
+        engine: str,
+        result: PrefillResult,
+        descriptor: bytes | None,
+        delivery: Delivery,
+        bounds: LegBounds | None,
+    ) -> ResponsesStream:
+        ask = request.ask
+        assert ask is not None
+        return await self.client.send_responses(
+            url,
+            request.body,
+            result,
+            descriptor,
+            rewrite={"previous_response_id": ask.previous_response_id, "store": ask.store},
+            engine=engine,
+            trace=call.leg_headers(),
+            delivery=delivery,
+            bounds=bounds,
         )
 
     def _handoff_kind(self, reservation: Reservation, result: PrefillResult) -> str:

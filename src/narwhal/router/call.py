@@ -119,6 +119,9 @@ class Call:
     cut: bool = False
     # Whether its decodes ask the engine for token ids (the request may be continued).
     tracks_ids: bool = False
+    # On `/v1/responses`, the last relayed event's sequence number: the router's own
+    # terminal event, should it end the stream, takes the next.
+    sequence_number: int = -1
 
     def __post_init__(self) -> None:
         self.stage_at = self.arrival

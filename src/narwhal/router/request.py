@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal.config.root import Config, NonstreamDecode
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer
+from narwhal.fleet.models import Target
 from narwhal.fleet.table import Fleet
-from narwhal.protocol.bodies import Endpoint, parse_client_request
+from narwhal.protocol.bodies import ClientRequest, Endpoint, parse_client_request
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.tracecontext import passthrough
@@ -27,6 +29,7 @@ from narwhal.router.outcome import Outcome
 from narwhal.router.reply import Reply
 from narwhal.router.rescue import Rescue
 from narwhal.router.respond import answer_error, collect, forward, relay
+from narwhal.router.responses import Conversations, answer_whole, relay_events
 from narwhal.router.retry import FirstTries, Retries
 from narwhal.runtime.clock import clock
 
@@ -64,6 +67,7 @@ class RequestPath:
         *,
         tracer: Tracer | None = None,
         admission: Admission | None = None,
+        conversations: Conversations | None = None,
         call_hooks: list[CallHook],
         first_token_hooks: list[CallHook],
         arrival_hooks: list[Callable[[Call], None]],
@@ -71,13 +75,14 @@ class RequestPath:
         """`call_hooks` hear each request once it ended (the journal first),
         `first_token_hooks` as its first token goes out to its client, `arrival_hooks` as
         it arrives, before anything can fail; `admission`: tenants' limits and claims, when
-        `[[tenants]]` are configured."""
+        `[[tenants]]` are configured; `conversations`: the Responses route's store."""
         self.config = config
         self.fleet = fleet
         self.retries = retries
         self.outcome = outcome
         self.tracer = tracer
         self.admission = admission
+        self.conversations = conversations
         self.call_hooks = call_hooks
         self.first_token_hooks = first_token_hooks
         self.arrival_hooks = arrival_hooks
@@ -166,6 +171,9 @@ class RequestPath:
         call.stream = request.stream
         if self.admission is not None:
             self.admission.admit(call, request, reply.header("Authorization"))
+        if request.ask is not None:
+            await self._respond(reply, call, request, target)
+            return
         progress = tracker(config.continuation, request)
         call.tracks_ids = progress is not None
         first = FirstTries(
@@ -212,6 +220,36 @@ class RequestPath:
             if error.is_engine_fault and error.engine == relayed.reservation.consumer.id:
                 not_continued(call, request, config.continuation)
             raise error
+        self.outcome.answered(tracked=False)
+
+    async def _respond(
+        self, reply: Reply, call: Call, request: ClientRequest, target: Target
+    ) -> None:
+        """A Responses request: its conversation rebuilt, its tries, its response kept."""
+        conversations = self.conversations
+        assert conversations is not None
+        request, ancestors = await conversations.engine_request(call, request)
+        first = FirstTries(
+            self.fleet,
+            request,
+            self.outcome.budget,
+            self.config.serving.max_attempts,
+            target,
+        )
+
+        async def keep(response: dict[str, Any], encoded: bytes) -> None:
+            await conversations.keep(call, request, ancestors, response, encoded)
+
+        async def answer(stream: ResponsesStream) -> None:
+            self._first_token(call)
+            if request.stream:
+                await relay_events(reply, call, stream, keep)
+            else:
+                await answer_whole(reply, call, stream, keep)
+
+        relayed = await self.retries.run_responses(call, first, answer)
+        if relayed.error is not None:
+            raise relayed.error
         self.outcome.answered(tracked=False)
 
     def _first_token(self, call: Call) -> None:

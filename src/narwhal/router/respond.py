@@ -10,7 +10,9 @@ from typing import Any
 from narwhal.engines.decode_stream import DecodeStream
 from narwhal.engines.leg_errors import bad_stream
 from narwhal.engines.whole_answer import WholeAnswer
+from narwhal.protocol.bodies import Endpoint
 from narwhal.protocol.errors import NarwhalError
+from narwhal.protocol.responses import error_event
 from narwhal.protocol.sse import SseError
 from narwhal.router.assemble import answer_body
 from narwhal.router.assemble_typed import gathered_answer
@@ -105,6 +107,11 @@ async def answer_error(reply: Reply, call: Call, error: NarwhalError) -> None:
             close=error.status == 408,
         )
         return
+    if call.endpoint is Endpoint.RESPONSES:
+        # This route's own terminal event: `event: error`, its code the status.
+        event = error_event(error.status, error.message, error.param, call.sequence_number + 1)
+    else:
+        event = error.sse_event()
     with contextlib.suppress(ConnectionResetError):
-        await reply.write(error.sse_event())
+        await reply.write(event)
         await reply.end()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol
 
 from narwhal.engines.decode_stream import DecodeStream
+from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer
 from narwhal.fleet.models import Target
 from narwhal.fleet.placement import PromptKey
@@ -146,6 +147,12 @@ class Retries:
         """As `run`, with each try's decode asked for whole: a failed whole leg has sent
         the client nothing, so it is retried as a try that failed its first token is."""
         return await self._run(call, tries, self.attempt.run_whole, relay)
+
+    async def run_responses(
+        self, call: Call, tries: Tries, relay: Callable[[ResponsesStream], Awaitable[None]]
+    ) -> Relayed[ResponsesStream]:
+        """As `run`, for a Responses request: each try's decode is a Responses stream."""
+        return await self._run(call, tries, self.attempt.run_responses, relay)
 
     async def _run(
         self,
