@@ -24,12 +24,13 @@ from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.tracecontext import passthrough
 from narwhal.router.call import CLIENT_CLOSED, Call, CallHook, CallTrace
-from narwhal.router.continuation import not_continued, tracker
+from narwhal.router.continuation import ANSWER, OFF, not_continued, tracker
 from narwhal.router.outcome import Outcome
 from narwhal.router.reply import Reply
 from narwhal.router.rescue import Rescue
 from narwhal.router.respond import answer_error, collect, forward, relay
 from narwhal.router.responses import Conversations, answer_whole, relay_events
+from narwhal.router.responses_rescue import ResponsesRescue, ineligible
 from narwhal.router.retry import FirstTries, Retries
 from narwhal.runtime.clock import clock
 
@@ -240,6 +241,16 @@ class RequestPath:
         async def keep(response: dict[str, Any], encoded: bytes) -> None:
             await conversations.keep(call, request, ancestors, response, encoded)
 
+        settings = self.config.continuation
+        on = settings.enabled and settings.max_attempts > 0
+        why = ineligible(request.body) if on else None
+        if on and why is None:
+            rescue = ResponsesRescue(
+                self.fleet, self.retries, reply, call, request, first.key, settings, target, keep
+            )
+            await rescue.serve(first)
+            return
+
         async def answer(stream: ResponsesStream) -> None:
             self._first_token(call)
             if request.stream:
@@ -248,8 +259,15 @@ class RequestPath:
                 await answer_whole(reply, call, stream, keep)
 
         relayed = await self.retries.run_responses(call, first, answer)
-        if relayed.error is not None:
-            raise relayed.error
+        error = relayed.error
+        if error is not None:
+            if error.is_engine_fault and error.engine == relayed.reservation.consumer.id:
+                # Cut after output began: why it was not continued.
+                call.cut = True
+                refused = "continuation is off" if why is None else f"{why} cannot be continued"
+                call.continuation_refused = refused
+                call.refused_kind = OFF if why is None else ANSWER
+            raise error
         self.outcome.answered(tracked=False)
 
     def _first_token(self, call: Call) -> None:

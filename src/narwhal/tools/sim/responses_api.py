@@ -140,7 +140,14 @@ def parse_responses_request(
             "response_id",
             kind="invalid_request_error",
         )
-    prompt_tokens = tokenize(chat_prompt(input_messages(instructions, items)))
+    messages = input_messages(instructions, items)
+    if continues_final(items):
+        # The last message is the answer so far: generation goes on from its text, after
+        # the same reply cue an answer begins with (vLLM's `continue_final_message`).
+        *earlier, last = messages
+        prompt_tokens = tokenize(chat_prompt(earlier)) + tokenize(str(last["content"] or ""))
+    else:
+        prompt_tokens = tokenize(chat_prompt(messages))
     max_tokens = _max_tokens(max_output_tokens, len(prompt_tokens), max_model_len)
     temperature = 1.0 if temperature is None else temperature
     top_p = 1.0 if top_p is None else top_p
@@ -196,6 +203,20 @@ class _Message:
     role: str
     content: str | None
     reasoning: bool = False
+
+
+def continues_final(items: str | Sequence[Mapping[str, object]]) -> bool:
+    """Whether the input ends with a partial assistant message, which vLLM 0.32 continues
+    rather than answers: a message (or reasoning) item whose `status` is `in_progress` or
+    `incomplete` (`vllm/entrypoints/openai/responses/utils.py`,
+    `should_continue_final_message`)."""
+    if isinstance(items, str) or not items:
+        return False
+    last = items[-1]
+    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in (
+        "in_progress",
+        "incomplete",
+    )
 
 
 def input_messages(
