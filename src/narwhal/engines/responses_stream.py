@@ -62,8 +62,9 @@ class ResponsesStream:
         self._read_timeout_s = read_timeout_s
         self._loop = asyncio.get_running_loop()
         self._last_read = self._loop.time()
-        self._silent = False
         self._output = False
+        # A failure found after events still to be relayed: raised by the next read.
+        self._failure: NarwhalError | None = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -103,6 +104,9 @@ class ResponsesStream:
             for block in self._decided(chunk):
                 self._held.append(block)
                 held_bytes += len(block)
+            if self._failure is not None and not self._output:
+                # Failed before any output: nothing held is the client's to see.
+                raise self._failure
             if held_bytes > MAX_HELD_BYTES:
                 raise engine_error(
                     Cause.BAD_RESPONSE,
@@ -128,6 +132,8 @@ class ResponsesStream:
         if self._held:
             held, self._held = self._held, []
             return b"".join(held)
+        if self._failure is not None:
+            raise self._failure
         while not self.done:
             chunk = await self._read()
             blocks = self._decided(chunk)
@@ -139,6 +145,8 @@ class ResponsesStream:
         """Read the stream to its end; the response object it ended with."""
         self._held = []
         while not self.done:
+            if self._failure is not None:
+                raise self._failure
             self._decided(await self._read())
         assert self.response is not None
         return self.response
@@ -190,7 +198,17 @@ class ResponsesStream:
             try:
                 kind, number = read_event(event.data)
             except EventError as exc:
-                raise bad_stream(SseError(str(exc)), self.engine) from None
+                failure = bad_stream(SseError(str(exc)), self.engine)
+                if not blocks:
+                    raise failure from None
+                self._failure = failure
+                break
+            if kind is Kind.FAILED or kind is Kind.ERROR:
+                # What came before the failure is relayed first; it is raised next.
+                if not blocks:
+                    raise self._failure_of(event.data)
+                self._failure = self._failure_of(event.data)
+                break
             if number is not None:
                 self.sequence_number = number
             if kind is Kind.OUTPUT:
@@ -206,8 +224,6 @@ class ResponsesStream:
                         SseError("the stream's last event carries no response object"),
                         self.engine,
                     )
-            else:
-                raise self._failure(event.data)
         return blocks
 
     def _rewritten(self, event: SseEvent, *, ended: bool = False) -> bytes:
@@ -226,7 +242,7 @@ class ResponsesStream:
         head = f"event: {name}\n".encode() if isinstance(name, str) else b""
         return head + b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    def _failure(self, data: bytes) -> NarwhalError:
+    def _failure_of(self, data: bytes) -> NarwhalError:
         payload = orjson.loads(data)
         status, message, param = failure_of(payload)
         return engine_error(
