@@ -202,7 +202,7 @@ def status_of(code: object) -> int | None:
     400..599; None for any other code."""
     if isinstance(code, bool):
         return None
-    if isinstance(code, str) and code.isdigit():
+    if isinstance(code, str) and code.isascii() and code.isdigit():
         code = int(code)
     return code if isinstance(code, int) and 400 <= code <= 599 else None
 

@@ -222,7 +222,7 @@ def input_items_page(record: StoredResponse, query: dict[str, str]) -> dict[str,
             raise client_error(400, f"`after` names no input item of {record.id}", "after")
         listed = listed[ids.index(after) + 1 :]
     raw_limit = query.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= 100:
         raise client_error(400, "`limit` must be an integer in 1..100", "limit")
     limit = int(raw_limit)
     page = listed[:limit]
