@@ -245,7 +245,7 @@ class ResponsesStream:
     def _failure_of(self, data: bytes) -> NarwhalError:
         payload = orjson.loads(data)
         status, message, param = failure_of(payload)
-        return engine_error(
+        error = engine_error(
             Cause.ERROR_OBJECT,
             f"engine {self.engine} reported an error: {message}",
             self.engine,
@@ -257,6 +257,9 @@ class ResponsesStream:
                 "code": status,
             },
         )
+        # After output, the router's terminal event names the member at fault too.
+        error.param = error.param or param
+        return error
 
     async def _finish(self) -> None:
         """After the end, read to the end of the answer so the connection can be reused."""
