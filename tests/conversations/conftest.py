@@ -3,10 +3,6 @@ records to store."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -17,68 +13,17 @@ import pytest
 from narwhal.conversations.record import ConversationStore, StoredResponse
 from narwhal.conversations.redis import RedisStore
 from narwhal.conversations.sqlite import SqliteStore
-
-# A shared machine may be slow to start a process: this is a bound, not an expectation.
-START_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as connection:
-            connection.sendall(b"PING\r\n")
-            return connection.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def _start_redis(executable: str, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """A redis-server on a free port of 127.0.0.1 that answers PING; another port if the one
-    chosen was taken before the server bound it."""
-    for attempt in range(3):
-        port = _free_port()
-        log = directory / f"redis-{attempt}.log"
-        argv = [
-            *(executable, "--port", str(port), "--bind", "127.0.0.1"),
-            *("--save", "", "--appendonly", "no", "--dir", str(directory)),
-            *("--logfile", str(log)),
-        ]
-        server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while server.poll() is None and time.monotonic() < deadline:
-            if _answers_ping(port):
-                return server, port
-            time.sleep(0.05)
-        _stop(server)
-    raise RuntimeError(f"redis-server did not start; its log: {log.read_text()[-2000:]}")
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+from support.redis_server import start_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The URL of a redis-server of this machine, started for the session (no persistence)."""
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("no redis-server on PATH (make test installs Debian's with apt-get)")
-    server, port = _start_redis(executable, tmp_path_factory.mktemp("redis"))
+    server = start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        _stop(server)
+        server.stop()
 
 
 @pytest.fixture
