@@ -49,6 +49,7 @@ from typing import Any
 
 from narwhal.config.continuation import ContinuationConfig
 from narwhal.protocol.bodies import ClientRequest, Endpoint
+from narwhal.protocol.errors import NarwhalError
 from narwhal.router.call import Call
 from narwhal.router.progress import Progress
 
@@ -293,3 +294,17 @@ def usage_chunk(head: Head, usage: dict[str, Any], fingerprint: object | None) -
     if fingerprint is not None:
         chunk["system_fingerprint"] = fingerprint
     return chunk
+
+
+def refused_error(call: Call, error: NarwhalError | None, why: str, kind: str) -> NarwhalError:
+    """The error a cut answer ends with when it is not continued (`why`, of `kind`): the
+    consumer's failure, saying why; recorded on the call for the journal."""
+    assert error is not None
+    call.continuation_refused, call.refused_kind = why, kind
+    return NarwhalError(
+        error.status,
+        f"{error.message}; the answer was not continued: {why}",
+        error.cause,
+        transient=error.transient,
+        engine=error.engine,
+    )

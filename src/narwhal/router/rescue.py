@@ -32,6 +32,7 @@ from narwhal.router.continuation import (
     drop_seen,
     merged_usage,
     refusal,
+    refused_error,
     replay_body,
     rescued_event,
     usage_chunk,
@@ -231,16 +232,7 @@ class Rescue:
         self.error = error
 
     def _refused(self, why: str, kind: str) -> NarwhalError:
-        error = self.error
-        assert error is not None
-        self.call.continuation_refused, self.call.refused_kind = why, kind
-        return NarwhalError(
-            error.status,
-            f"{error.message}; the answer was not continued: {why}",
-            error.cause,
-            transient=error.transient,
-            engine=error.engine,
-        )
+        return refused_error(self.call, self.error, why, kind)
 
     # The end -------------------------------------------------------------------------
 

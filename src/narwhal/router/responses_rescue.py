@@ -36,7 +36,7 @@ from narwhal.protocol.bodies import ClientRequest
 from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseDecoder, SseError
 from narwhal.router.call import Call
-from narwhal.router.continuation import ANSWER, BUDGET, FLEET
+from narwhal.router.continuation import ANSWER, BUDGET, FLEET, refused_error
 from narwhal.router.reply import Reply
 from narwhal.router.respond import answer_headers, stream_headers
 from narwhal.router.responses import output_tokens
@@ -351,16 +351,7 @@ class ResponsesRescue:
         self.error = error
 
     def _refused(self, why: str, kind: str) -> NarwhalError:
-        error = self.error
-        assert error is not None
-        self.call.continuation_refused, self.call.refused_kind = why, kind
-        return NarwhalError(
-            error.status,
-            f"{error.message}; the answer was not continued: {why}",
-            error.cause,
-            transient=error.transient,
-            engine=error.engine,
-        )
+        return refused_error(self.call, self.error, why, kind)
 
 
 _ENDS = frozenset({"response.completed", "response.incomplete"})
