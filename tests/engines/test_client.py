@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -14,7 +16,7 @@ from narwhal.engines.decode_stream import stream_payloads
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.tools.sim.faults import Fault
 from narwhal.tools.sim.fleet import SimFleet
-from support.stack import COMPLETION, FAST, direct_text
+from support.stack import COMPLETION, FAST, MODEL, direct_text
 
 ROUTE = "/v1/completions"
 
@@ -196,3 +198,84 @@ async def test_a_calls_own_read_bound_goes_with_its_stream(fleet: SimFleet) -> N
                     pass
     assert info.value.cause is Cause.SILENCE
     assert info.value.message.endswith("sent nothing for 0.3 s")
+
+
+# Off the request path: GETs of an engine's /metrics and /v1/models --------------------
+
+
+async def test_fetch_reads_an_engines_metrics_and_models(fleet: SimFleet) -> None:
+    engine = fleet.engines[0]
+    async with EngineClient() as client:
+        models = await client.fetch(engine.url + "/v1/models", 5.0)
+        assert models is not None
+        assert [card["id"] for card in orjson.loads(models)["data"]] == [MODEL]
+        metrics = await client.fetch(engine.url + "/metrics", 5.0)
+        assert metrics is not None and b"vllm:num_requests_running" in metrics
+
+
+async def test_fetch_sends_one_get_per_read_on_one_kept_connection() -> None:
+    heads: list[bytes] = []
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                heads.append(await reader.readuntil(b"\r\n\r\n"))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nbody")
+                await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        async with EngineClient() as client:
+            assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 1.0) == b"body"
+            assert await client.fetch(f"http://127.0.0.1:{port}/v1/models?x=1", 1.0) == b"body"
+    finally:
+        listener.close()
+    assert connections == [1]
+    assert heads == [
+        f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+        f"GET /v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+    ]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ncut",
+        b"not http at all\r\n\r\n",
+        None,
+    ],
+    ids=["404", "cut", "not-http", "silent"],
+)
+async def test_fetch_is_none_for_anything_but_a_whole_200_in_time(answer: bytes | None) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer is None:
+            await asyncio.sleep(5)
+        else:
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        async with EngineClient() as client:
+            started = asyncio.get_running_loop().time()
+            assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 0.3) is None
+            assert asyncio.get_running_loop().time() - started < 3.0
+    finally:
+        listener.close()
+
+
+async def test_fetch_of_an_engine_that_is_down_is_none() -> None:
+    listener = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    listener.close()
+    await listener.wait_closed()
+    async with EngineClient() as client:
+        assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 1.0) is None

@@ -177,3 +177,36 @@ async def test_a_body_over_the_limit_is_too_large() -> None:
         with pytest.raises(TooLarge):
             await connection.read_all(4)
         connection.close()
+
+
+async def test_a_reused_connection_cancelled_before_its_answer_is_closed() -> None:
+    closed = asyncio.Event()
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await read_request(reader)
+        if not closed.is_set() and connections[0] == 1 and answered:
+            # The second request on the kept connection: never answered; the client's
+            # end of it shows as the connection's end.
+            try:
+                await reader.read()
+            finally:
+                closed.set()
+            return False
+        answered.append(True)
+        writer.write(OK)
+        await writer.drain()
+        return True
+
+    answered: list[bool] = []
+    async with server(reply) as (url, connections):
+        pool = ConnectionPool(connect_timeout_s=1)
+        assert await post(pool, url) == (200, b"ok")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await post(pool, url)
+        async with asyncio.timeout(5):
+            await closed.wait()
+        # Nothing of it is left to reuse: the next request opens a new connection.
+        assert await post(pool, url) == (200, b"ok")
+        assert connections[0] == 2
+        pool.close()

@@ -222,13 +222,13 @@ class Router:
         interval = self.config.engine.metrics_interval_s
         # What each engine serves (its model, its adapters), before the first request.
         served = ServedReader(
-            self.fleet, lambda: self.client.session, self.config.engine.health_timeout_s, interval
+            self.fleet, self.client.fetch, self.config.engine.health_timeout_s, interval
         )
         await served.read_all()
         if interval > 0:
             spawn(served.run(), "served-models")
             reports = EngineReports(
-                self.fleet, self.client.session, interval, self.config.engine.health_timeout_s
+                self.fleet, self.client.fetch, interval, self.config.engine.health_timeout_s
             )
             spawn(reports.run(), "engine-reports")
         if self.controller is not None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -30,6 +31,7 @@ from narwhal.engines.http import (
     ConnectionPool,
     HttpError,
     TooLarge,
+    get_bytes,
     request_bytes,
 )
 from narwhal.engines.leg_errors import bad_stream, error_object, status_error, transport_error
@@ -55,6 +57,8 @@ MAX_PREFILL_ANSWER_BYTES = 8 << 20
 MAX_HELD_BYTES = 1 << 20
 # A whole answer past this is refused as broken (logprobs of long answers stay far below).
 MAX_WHOLE_ANSWER_BYTES = 64 << 20
+# An engine's /metrics or /v1/models read off the request path.
+FETCH_LIMIT = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,8 @@ class EngineClient:
         self._hosts = HostResolver()
         self._session: aiohttp.ClientSession | None = None
         self._pool: ConnectionPool | None = None
+        # The periodic reads' own connections, apart from the legs'.
+        self._fetch_pool: ConnectionPool | None = None
         # Legs under way: a prefill awaiting its answer or a decode stream not yet closed.
         self.open_legs = 0
         # Gaps between reads of every decode stream past its first token, for metrics.
@@ -108,6 +114,7 @@ class EngineClient:
         # https:// engines are verified against the system store, or `ca_bundle` if given.
         context = ssl.create_default_context(cafile=self._ca_bundle) if self._ca_bundle else None
         self._pool = ConnectionPool(connect_timeout_s=self.connect_timeout_s, tls=context)
+        self._fetch_pool = ConnectionPool(connect_timeout_s=self.connect_timeout_s, tls=context)
         tls: ssl.SSLContext | bool = context or True
         # Health and identity checks (off the request path) use a general client.
         connector = aiohttp.TCPConnector(
@@ -133,12 +140,42 @@ class EngineClient:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._fetch_pool is not None:
+            self._fetch_pool.close()
+            self._fetch_pool = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
         return self._session
+
+    async def fetch(self, url: str, timeout_s: float, limit: int = FETCH_LIMIT) -> bytes | None:
+        """The body of a GET of `url`, as the periodic reads of each engine's `/metrics` and
+        `/v1/models` are sent (on kept connections of their own, apart from the legs');
+        None when it answers another status than 200, fails, passes `limit` bytes or takes
+        more than `timeout_s`."""
+        pool = self._fetch_pool
+        if pool is None:
+            raise RuntimeError("EngineClient is not open; use `async with EngineClient()`")
+        parts = urlsplit(url)
+        origin = pool.origin(f"{parts.scheme}://{parts.netloc}")
+        path = f"{parts.path}?{parts.query}" if parts.query else parts.path
+        connection: Connection | None = None
+        try:
+            async with clock().timeout(timeout_s):
+                connection = await pool.send(origin, get_bytes(path, origin))
+                body = await connection.read_all(limit)
+        except (TimeoutError, HttpError):
+            if connection is not None:
+                connection.close()
+            return None
+        except BaseException:
+            if connection is not None:
+                connection.close()
+            raise
+        connection.release()
+        return body if connection.status == 200 else None
 
     async def _post(
         self,

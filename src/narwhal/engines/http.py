@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import islice
 from typing import cast
@@ -26,6 +26,10 @@ from narwhal.runtime.clock import clock
 KEEPALIVE_S = 4.0
 # Body bytes held unread before the socket stops being read (back-pressure to the engine).
 HIGH_WATER = 1 << 20
+
+Fetch = Callable[[str, float], Awaitable[bytes | None]]
+"""A GET of a URL within a timeout (`EngineClient.fetch`): its body, or None when it did not
+answer 200 in time."""
 
 
 class HttpError(Exception):
@@ -334,6 +338,11 @@ class ConnectionPool:
                 connection.close()
                 if connection.answered:
                     raise
+            except BaseException:
+                # Cancelled (a deadline, a client gone) while the engine answers: the
+                # connection is neither idle nor anyone's, so it goes.
+                connection.close()
+                raise
         connection = await self._connect(origin)
         connection.send(data)
         if on_sent is not None:
@@ -417,4 +426,11 @@ def request_bytes(
             b"\r\n",
             body,
         )
+    )
+
+
+def get_bytes(path: str, origin: Origin) -> bytes:
+    """A complete GET of `path` (off the request path: an engine's `/metrics`, its models)."""
+    return b"".join(
+        (b"GET ", path.encode(), b" HTTP/1.1\r\nHost: ", origin.host_header, b"\r\n\r\n")
     )

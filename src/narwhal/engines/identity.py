@@ -100,6 +100,14 @@ def _whole(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def parse_served(body: bytes) -> ServedModels | None:
+    """`served_models` of a `/v1/models` body; None when it is not a listing."""
+    try:
+        return served_models(orjson.loads(body))
+    except ValueError:  # orjson's decode error is one
+        return None
+
+
 async def read_served(
     session: aiohttp.ClientSession, url: str, timeout_s: float
 ) -> ServedModels | None:

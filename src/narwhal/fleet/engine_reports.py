@@ -17,9 +17,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import aiohttp
-
-from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE, EngineReport, moved, read_report
+from narwhal.engines.http import Fetch
+from narwhal.engines.scrape import EXTERNAL, LOCAL_COMPUTE, EngineReport, moved, parse_report
 from narwhal.fleet.seat_share import others_load
 from narwhal.fleet.table import Engine, EngineEvent, Fleet
 
@@ -53,11 +52,9 @@ def judge_silence(
 class EngineReports:
     """Polls each engine's `/metrics` every `interval_s`; runs until cancelled."""
 
-    def __init__(
-        self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float, timeout_s: float
-    ) -> None:
+    def __init__(self, fleet: Fleet, fetch: Fetch, interval_s: float, timeout_s: float) -> None:
         self.fleet = fleet
-        self.session = session
+        self.fetch = fetch
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._windows: dict[str, Window] = {}
@@ -75,9 +72,9 @@ class EngineReports:
 
     async def poll(self, engine: Engine) -> None:
         """One reading of one engine; an engine that cannot be read keeps its last one."""
-        report = await read_report(self.session, engine.url, self.timeout_s)
-        if report is not None:
-            self.record(engine, report)
+        body = await self.fetch(engine.url + "/metrics", self.timeout_s)
+        if body is not None:
+            self.record(engine, parse_report(body))
 
     def record(self, engine: Engine, report: EngineReport) -> None:
         """Take a reading: the engine's load and token counts, and the silence judgment."""

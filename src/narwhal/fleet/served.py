@@ -12,13 +12,11 @@ judges one (a restarted engine, one added by hand or by discovery).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
 from narwhal.config.models import LoraConfig
-from narwhal.engines.identity import ModelCard, ServedModels, read_served
+from narwhal.engines.http import Fetch
+from narwhal.engines.identity import ModelCard, ServedModels, parse_served
 from narwhal.fleet.engine import Engine
 from narwhal.fleet.table import Fleet
 
@@ -55,12 +53,12 @@ class ServedReader:
     def __init__(
         self,
         fleet: Fleet,
-        session: Callable[[], aiohttp.ClientSession],
+        fetch: Fetch,
         timeout_s: float,
         interval_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
-        self._session = session
+        self._fetch = fetch
         self.timeout_s = timeout_s
         self.interval_s = interval_s
 
@@ -68,7 +66,8 @@ class ServedReader:
         """One reading of one engine; False when it could not be read (it keeps what it
         had)."""
         before = dict(engine.adapters)
-        served = await read_served(self._session(), engine.url, self.timeout_s)
+        body = await self._fetch(engine.url + "/v1/models", self.timeout_s)
+        served = None if body is None else parse_served(body)
         if served is None:
             return False
         if learn(engine, served, before):
