@@ -180,7 +180,7 @@ async def refused(pending: Coroutine[Any, Any, Any]) -> NarwhalError:
 # The request path --------------------------------------------------------------------------
 
 
-async def test_a_first_turn_keeps_the_clients_input_and_opens_no_store() -> None:
+async def test_a_first_turn_keeps_the_clients_input() -> None:
     keeper, opener, _ = conversations(MemoryStore())
     client = request(input="hi", store=True, temperature=0.2, kv_transfer_params={"x": 1})
     sent, ancestors = await keeper.engine_request(call(), client)
@@ -189,7 +189,28 @@ async def test_a_first_turn_keeps_the_clients_input_and_opens_no_store() -> None
     assert sent.ask == client.ask and sent.endpoint is Endpoint.RESPONSES
     # The client's own request is left as it came.
     assert client.body["store"] is True and "kv_transfer_params" in client.body
+    # The store it will be kept in is opened first (once).
+    assert opener.calls == 1
+    await keeper.engine_request(call(), client)
+    assert opener.calls == 1
+
+
+async def test_a_first_turn_not_stored_opens_no_store() -> None:
+    keeper, opener, _ = conversations(MemoryStore())
+    sent, ancestors = await keeper.engine_request(call(), request(input="hi", store=False))
+    assert ancestors == () and sent.body["input"] == "hi"
     assert opener.calls == 0
+
+
+async def test_a_first_turn_to_store_in_a_store_that_cannot_open_is_a_503_before_any_engine() -> (
+    None
+):
+    keeper, opener, _ = conversations(MemoryStore())
+    opener.failure = ConnectionError("Redis at redis://127.0.0.1:1 refused")
+    error = await refused(keeper.engine_request(call(), request(input="hi")))
+    assert error.status == 503
+    assert error.message.startswith("the response store is unavailable"), error.message
+    assert "Redis at redis://127.0.0.1:1" in error.message
 
 
 async def test_a_follow_up_gets_the_whole_conversation_and_its_ancestors() -> None:

@@ -112,6 +112,9 @@ class Conversations:
         ask = request.ask
         assert ask is not None
         if ask.previous_response_id is None:
+            if ask.store:
+                # A store that cannot be opened is its 503 before any engine works.
+                await self.store()
             body = engine_body(request.body, request.body["input"])
             return replace(request, body=body), ()
         store = await self.store()
