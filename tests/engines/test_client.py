@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import orjson
 import pytest
@@ -213,6 +214,19 @@ async def test_fetch_reads_an_engines_metrics_and_models(fleet: SimFleet) -> Non
         assert metrics is not None and b"vllm:num_requests_running" in metrics
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def listening(handle: Handler) -> AsyncIterator[str]:
+    """A loopback server answering by hand; yields its base URL."""
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    finally:
+        listener.close()
+
+
 async def test_fetch_sends_one_get_per_read_on_one_kept_connection() -> None:
     heads: list[bytes] = []
     connections = [0]
@@ -226,18 +240,14 @@ async def test_fetch_sends_one_get_per_read_on_one_kept_connection() -> None:
                 await writer.drain()
         writer.close()
 
-    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = listener.sockets[0].getsockname()[1]
-    try:
-        async with EngineClient() as client:
-            assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 1.0) == b"body"
-            assert await client.fetch(f"http://127.0.0.1:{port}/v1/models?x=1", 1.0) == b"body"
-    finally:
-        listener.close()
+    async with listening(handle) as url, EngineClient() as client:
+        assert await client.fetch(url + "/metrics", 1.0) == b"body"
+        assert await client.fetch(url + "/v1/models?x=1", 1.0) == b"body"
+    host = url.removeprefix("http://")
     assert connections == [1]
     assert heads == [
-        f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
-        f"GET /v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+        f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),
+        f"GET /v1/models?x=1 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),
     ]
 
 
@@ -261,15 +271,10 @@ async def test_fetch_is_none_for_anything_but_a_whole_200_in_time(answer: bytes 
             await writer.drain()
         writer.close()
 
-    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = listener.sockets[0].getsockname()[1]
-    try:
-        async with EngineClient() as client:
-            started = asyncio.get_running_loop().time()
-            assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 0.3) is None
-            assert asyncio.get_running_loop().time() - started < 3.0
-    finally:
-        listener.close()
+    async with listening(handle) as url, EngineClient() as client:
+        started = asyncio.get_running_loop().time()
+        assert await client.fetch(url + "/metrics", 0.3) is None
+        assert asyncio.get_running_loop().time() - started < 3.0
 
 
 async def test_fetch_of_an_engine_that_is_down_is_none() -> None:
