@@ -87,6 +87,20 @@ async def ask_stack(stack: Stack, sent: dict[str, Any]) -> tuple[int, bytes]:
     return await ask(stack.http, stack.url, sent, stack.lane)
 
 
+# The error types of the statuses these tests see, as the client reads them.
+TYPES = {
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_object(code: int, message: str) -> dict[str, Any]:
+    """An OpenAI-shaped error object with this status and message (no param)."""
+    return {"message": message, "type": TYPES[code], "param": None, "code": code}
+
+
 def error_of(raw: bytes) -> dict[str, Any]:
     """The error object of a JSON error answer."""
     answer = orjson.loads(raw)
@@ -214,12 +228,7 @@ async def test_a_cut_before_any_delta_with_no_other_consumer_is_502(
             "decode stream from engine d0 broke before any token: "
             "connection closed before the answer ended"
         )
-        assert error_of(raw) == {
-            "message": message,
-            "type": "BadGatewayError",
-            "param": None,
-            "code": 502,
-        }
+        assert error_of(raw) == error_object(502, message)
         line = await one_line(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (502, "closed_early", message)
         # The retry found d0 alone, and failed there again.
@@ -282,12 +291,7 @@ async def test_a_cut_after_output_of_a_whole_answer_is_a_502(
         status, raw = await ask_stack(stack, body(False))
         assert status == 502
         message = "decode stream from engine d0 broke: connection closed before the answer ended"
-        assert error_of(raw) == {
-            "message": message,
-            "type": "BadGatewayError",
-            "param": None,
-            "code": 502,
-        }
+        assert error_of(raw) == error_object(502, message)
         line = await one_line(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (502, "closed_early", message)
 
@@ -311,12 +315,7 @@ async def test_silence_between_deltas_ends_the_answer_with_a_504(
             assert numbered(relayed) == list(range(len(relayed)))
         else:
             assert status == 504
-            assert error_of(raw) == {
-                "message": message,
-                "type": "GatewayTimeoutError",
-                "param": None,
-                "code": 504,
-            }
+            assert error_of(raw) == error_object(504, message)
         line = await one_line(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (504, "silence", message)
         assert line["attempts"] == 1
@@ -336,12 +335,7 @@ async def test_no_delta_within_the_first_token_timeout_is_retried_then_504(
         status, raw = await ask_stack(stack, body(stream))
         assert status == 504
         message = "engine d0 produced no token within the first-token timeout (2.5 s)"
-        assert error_of(raw) == {
-            "message": message,
-            "type": "GatewayTimeoutError",
-            "param": None,
-            "code": 504,
-        }
+        assert error_of(raw) == error_object(504, message)
         line = await one_line(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (
             504,
@@ -483,12 +477,7 @@ async def test_a_body_ended_before_any_delta_is_502_with_no_other_consumer(
         status, raw = await ask_fake(stack, stream, lane)
         assert status == 502
         message = "decode stream from engine d0 closed before any token"
-        assert error_of(raw) == {
-            "message": message,
-            "type": "BadGatewayError",
-            "param": None,
-            "code": 502,
-        }
+        assert error_of(raw) == error_object(502, message)
         line = await settled_fakes(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (502, "closed_early", message)
         assert line["attempts"] == 2
@@ -580,7 +569,6 @@ BEFORE_OUTPUT = [
     pytest.param(failed("503", "overloaded", 3), 503, "overloaded", id="failed-503-digits"),
     pytest.param(failed(429, "slow down", 3), 429, "slow down", id="failed-429"),
 ]
-TYPES = {429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -592,12 +580,7 @@ async def test_an_engine_failure_before_output_keeps_its_status(
         got, raw = await ask_fake(stack, stream, lane)
         assert got == status
         message = f"engine d0 reported an error: {said}"
-        assert error_of(raw) == {
-            "message": message,
-            "type": TYPES[status],
-            "param": None,
-            "code": status,
-        }
+        assert error_of(raw) == error_object(status, message)
         line = await settled_fakes(stack, 1)
         assert (line["status"], line["cause"], line["error"]) == (status, "error_object", message)
         assert line["failures"] == [{"engine": "d0", "cause": "error_object", "status": status}]
