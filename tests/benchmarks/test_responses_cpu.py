@@ -13,6 +13,8 @@ from responses_cpu import (
     NOW_AGAIN,
     SHAPES,
     Plan,
+    Report,
+    Tally,
     against_baseline,
     against_chat,
     answered_tokens,
@@ -85,11 +87,39 @@ async def test_a_short_run_gives_every_figure(tmp_path: Path) -> None:
     assert set(report.tallies[NOW]) == {s.name for s in picked}
     assert set(report.tallies[BASELINE]) == {"chat-stream", "chat-whole"}
     assert all(t.ok == 24 for shapes in report.tallies.values() for t in shapes.values())
+    # CPU is read in clock ticks: a 24-request batch may measure 0 s, so its ratio may be
+    # n/a. The ratios' arithmetic is checked on fixed tallies below.
     chat = against_chat(report)
     assert set(chat) == {"responses-stream", "responses-whole"}
-    assert all(f["ratio"] is not None and f["ratio"] > 0 for f in chat.values())
+    assert all(f["responses"] is not None and f["chat"] is not None for f in chat.values())
     before = against_baseline(report)
     assert set(before) == {"chat-stream", "chat-whole"}
-    assert all(f["ratio"] is not None for f in before.values())
+    assert all(f["now"] is not None and f["baseline"] is not None for f in before.values())
     assert "Responses over chat" in table and "Now over baseline" in table
     assert orjson.loads(report_json(report))["against_chat"].keys() == chat.keys()
+
+
+def test_the_ratios_are_cpu_per_request_over_cpu_per_request() -> None:
+    def tally(ok: int, cpu_s: float) -> Tally:
+        return Tally(ok=ok, router_cpu_s=cpu_s)
+
+    report = Report(
+        Plan(),
+        {
+            NOW: {
+                "chat-stream": tally(100, 0.5),
+                "responses-stream": tally(50, 0.5),
+                "chat-whole": tally(10, 0.1),
+            },
+            NOW_AGAIN: {"chat-stream": tally(100, 0.7)},
+            BASELINE: {"chat-stream": tally(200, 0.8), "chat-whole": tally(10, 0.0)},
+        },
+    )
+    chat = against_chat(report)
+    assert chat == {"responses-stream": {"responses": 10.0, "chat": 5.0, "ratio": 2.0}}
+    before = against_baseline(report)
+    assert before["chat-stream"] == pytest.approx(
+        {"now": 6.0, "baseline": 4.0, "ratio": 1.5, "noise": 1.4}
+    )
+    # A batch that measured no CPU has no ratio against it, rather than a division by zero.
+    assert before["chat-whole"] == {"now": 10.0, "baseline": 0.0, "ratio": None, "noise": None}
