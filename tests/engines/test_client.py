@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from narwhal.engines.client import EngineClient, LegBounds
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.connector import Delivery, PrefillResult
 from narwhal.engines.decode_stream import stream_payloads
 from narwhal.protocol.errors import Cause, NarwhalError
 from narwhal.tools.sim.faults import Fault
@@ -284,3 +284,35 @@ async def test_fetch_of_an_engine_that_is_down_is_none() -> None:
     await listener.wait_closed()
     async with EngineClient() as client:
         assert await client.fetch(f"http://127.0.0.1:{port}/metrics", 1.0) is None
+
+
+# A decode leg the consumer refuses ----------------------------------------------------
+
+RESPONSES = {"model": MODEL, "input": "The sea is deep and", "max_output_tokens": 8}
+
+
+@pytest.mark.parametrize("leg", ["stream", "whole", "responses"])
+async def test_a_refused_decode_keeps_its_status_and_says_its_descriptor_was_refused(
+    fleet: SimFleet, leg: str
+) -> None:
+    producer, consumer = fleet.engines
+    consumer.set_fault(Fault.from_json({"phase": "decode", "status": 400}))
+    delivery = Delivery()
+    async with EngineClient() as client:
+        result = await client.prefill(producer.url, ROUTE, COMPLETION)
+        with pytest.raises(NarwhalError) as info:
+            if leg == "stream":
+                await client.send_decode(
+                    consumer.url, ROUTE, STREAM, result, None, delivery=delivery
+                )
+            elif leg == "whole":
+                await client.send_whole(
+                    consumer.url, ROUTE, COMPLETION, result, None, delivery=delivery
+                )
+            else:
+                await client.send_responses(
+                    consumer.url, RESPONSES, result, None, rewrite={}, delivery=delivery
+                )
+        assert client.open_legs == 0
+    assert info.value.status == 400 and not info.value.transient
+    assert delivery.written and delivery.refused and not delivery.delivered

@@ -40,7 +40,7 @@ from narwhal.engines.responses_stream import ResponsesStream
 from narwhal.engines.whole_answer import WholeAnswer, parse_whole_answer
 from narwhal.protocol import responses
 from narwhal.protocol.bodies import Endpoint, decode_body, prefill_body, whole_decode_body
-from narwhal.protocol.errors import Cause, engine_error
+from narwhal.protocol.errors import Cause, NarwhalError, engine_error
 from narwhal.protocol.ids import new_id
 from narwhal.protocol.sse import (
     EventKind,
@@ -193,6 +193,31 @@ class EngineClient:
         data = request_bytes(endpoint, origin, self._headers, request_id, body, trace)
         return await self._pool.send(origin, data, on_sent)
 
+    async def _post_decode(
+        self,
+        url: str,
+        endpoint: str,
+        body: bytes,
+        request_id: str,
+        trace: bytes,
+        delivery: Delivery | None,
+        engine: str,
+    ) -> Connection:
+        """Send a decode leg; returns its connection once a 200's head is in. Any other
+        status is the engine's error (its connection closed), and `delivery` learns the
+        descriptor was refused."""
+        connection = await self._post(
+            url, endpoint, body, request_id, trace, None if delivery is None else delivery.sent
+        )
+        if connection.status == 200:
+            return connection
+        if delivery is not None:
+            delivery.refused = True
+        try:
+            raise await status_error(connection, engine, "decode")
+        finally:
+            connection.close()
+
     # Leg 1 ---------------------------------------------------------------------------
 
     async def prefill(
@@ -330,18 +355,9 @@ class EngineClient:
         held_bytes = 0
         try:
             async with clock().timeout(bounds.first_token_timeout_s):
-                connection = await self._post(
-                    consumer_url,
-                    endpoint,
-                    data,
-                    result.request_id,
-                    trace,
-                    None if delivery is None else delivery.sent,
+                connection = await self._post_decode(
+                    consumer_url, endpoint, data, result.request_id, trace, delivery, name
                 )
-                if connection.status != 200:
-                    if delivery is not None:
-                        delivery.refused = True
-                    raise await status_error(connection, name, "decode")
                 while True:
                     chunk = await connection.read()
                     if not chunk:
@@ -384,25 +400,10 @@ class EngineClient:
                             events = decoder.feed(b"", limit=1)
                     except SseError as exc:
                         raise bad_stream(exc, name) from None
-        except HttpError as exc:
+        except (HttpError, TimeoutError) as exc:
             self._leg_closed()
             _close(connection)
-            if connection is None:
-                raise transport_error(exc, name, "decode") from None
-            raise engine_error(
-                Cause.CLOSED_EARLY,
-                f"decode stream from engine {name} broke before any token: {exc}",
-                name,
-            ) from None
-        except TimeoutError:
-            self._leg_closed()
-            _close(connection)
-            raise engine_error(
-                Cause.FIRST_TOKEN_TIMEOUT,
-                f"engine {name} produced no token within the first-token timeout "
-                f"({bounds.first_token_timeout_s:g} s)",
-                name,
-            ) from None
+            raise _before_output(exc, name, connection, bounds) from None
         except BaseException:
             self._leg_closed()
             _close(connection)
@@ -433,18 +434,9 @@ class EngineClient:
         connection: Connection | None = None
         try:
             async with clock().timeout(timeout_s) if timeout_s else _unbounded():
-                connection = await self._post(
-                    consumer_url,
-                    endpoint,
-                    data,
-                    result.request_id,
-                    trace,
-                    None if delivery is None else delivery.sent,
+                connection = await self._post_decode(
+                    consumer_url, endpoint, data, result.request_id, trace, delivery, name
                 )
-                if connection.status != 200:
-                    if delivery is not None:
-                        delivery.refused = True
-                    raise await status_error(connection, name, "decode")
                 raw = await connection.read_all(MAX_WHOLE_ANSWER_BYTES)
         except TooLarge:
             _close(connection)
@@ -503,18 +495,9 @@ class EngineClient:
         stream: ResponsesStream | None = None
         try:
             async with clock().timeout(bounds.first_token_timeout_s):
-                connection = await self._post(
-                    consumer_url,
-                    Endpoint.RESPONSES,
-                    data,
-                    result.request_id,
-                    trace,
-                    None if delivery is None else delivery.sent,
+                connection = await self._post_decode(
+                    consumer_url, Endpoint.RESPONSES, data, result.request_id, trace, delivery, name
                 )
-                if connection.status != 200:
-                    if delivery is not None:
-                        delivery.refused = True
-                    raise await status_error(connection, name, "decode")
                 stream = ResponsesStream(
                     connection,
                     name,
@@ -525,23 +508,9 @@ class EngineClient:
                 )
                 await stream.first_output()
                 return stream
-        except HttpError as exc:
+        except (HttpError, TimeoutError) as exc:
             self._abort(stream, connection)
-            if connection is None:
-                raise transport_error(exc, name, "decode") from None
-            raise engine_error(
-                Cause.CLOSED_EARLY,
-                f"decode stream from engine {name} broke before any token: {exc}",
-                name,
-            ) from None
-        except TimeoutError:
-            self._abort(stream, connection)
-            raise engine_error(
-                Cause.FIRST_TOKEN_TIMEOUT,
-                f"engine {name} produced no token within the first-token timeout "
-                f"({bounds.first_token_timeout_s:g} s)",
-                name,
-            ) from None
+            raise _before_output(exc, name, connection, bounds) from None
         except BaseException:
             self._abort(stream, connection)
             raise
@@ -598,6 +567,27 @@ def _classify_pre_output(event: SseEvent, engine: str) -> EventKind:
 @contextlib.asynccontextmanager
 async def _unbounded() -> AsyncIterator[None]:
     yield
+
+
+def _before_output(
+    exc: HttpError | TimeoutError, engine: str, connection: Connection | None, bounds: LegBounds
+) -> NarwhalError:
+    """A streamed decode leg that failed before its first output, as the router's error:
+    no connection, one broken after its head, or the first-token timeout."""
+    if isinstance(exc, TimeoutError):
+        return engine_error(
+            Cause.FIRST_TOKEN_TIMEOUT,
+            f"engine {engine} produced no token within the first-token timeout "
+            f"({bounds.first_token_timeout_s:g} s)",
+            engine,
+        )
+    if connection is None:
+        return transport_error(exc, engine, "decode")
+    return engine_error(
+        Cause.CLOSED_EARLY,
+        f"decode stream from engine {engine} broke before any token: {exc}",
+        engine,
+    )
 
 
 def _close(connection: Connection | None) -> None:
