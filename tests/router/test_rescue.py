@@ -1,5 +1,6 @@
-"""The rules of a continuation's tries, against a fake engine client: when a cut answer is
-carried on, where, and the refusal each limit gives (its kind and its words)."""
+"""A completion or chat answer's continuation tries, against a fake engine client: what a
+replay sends, what it repeats, and the refusals of its own (the rules every route shares are
+tests/router/test_replays.py's)."""
 
 from __future__ import annotations
 
@@ -75,17 +76,6 @@ def refused(kind: str, why: str) -> tuple[str, str]:
     return kind, f"{CUT.message}; the answer was not continued: {why}"
 
 
-async def test_the_consumer_that_failed_is_never_continued_on() -> None:
-    rescuer, record, stack = rescue()
-    async with await stack.fleet.reserve(frozenset({"d1"}), None) as on_d0:
-        with pytest.raises(NarwhalError) as raised:
-            rescuer.placed(record, on_d0)
-    assert (record.refused_kind, raised.value.message) == refused(
-        "fleet", "no other consumer is available to continue on"
-    )
-    assert raised.value.engine == "d0" and raised.value.cause is Cause.CLOSED_EARLY
-
-
 async def test_continuation_max_attempts_refuses_as_budget() -> None:
     rescuer, record, _ = rescue()
     record.continuations = 2
@@ -93,16 +83,6 @@ async def test_continuation_max_attempts_refuses_as_budget() -> None:
         rescuer.next_try(record)
     assert (record.refused_kind, raised.value.message) == refused(
         "budget", "continuation.max_attempts (2) used"
-    )
-
-
-async def test_a_spent_continuation_budget_refuses_as_budget() -> None:
-    rescuer, record, stack = rescue()
-    stack.outcome.continuation_budget.credit = 0.0
-    with pytest.raises(NarwhalError) as raised:
-        rescuer.next_try(record)
-    assert (record.refused_kind, raised.value.message) == refused(
-        "budget", "the router's continuation budget (continuation.budget) is spent"
     )
 
 
@@ -114,16 +94,3 @@ async def test_an_answer_without_prompt_ids_refuses_as_answer() -> None:
     assert (record.refused_kind, raised.value.message) == refused(
         "answer", "the engine did not report the prompt's token ids"
     )
-
-
-async def test_a_failed_replay_avoids_its_engines_and_a_consumer_for_good() -> None:
-    rescuer, record, stack = rescue()
-    async with await stack.fleet.reserve(frozenset({"d0"}), None) as reservation:
-        producer_fault = engine_error(Cause.PREFILL_TIMEOUT, "slow", "p0")
-        rescuer.failed(record, producer_fault, reservation)
-        assert rescuer.avoid == {"d0", "p0"} and rescuer.failed_consumers == {"d0"}
-        consumer_fault = engine_error(Cause.SILENCE, "silent", "d1")
-        rescuer.failed(record, consumer_fault, reservation)
-    assert rescuer.failed_consumers == {"d0", "d1"}
-    # The next refusal speaks of the latest failure.
-    assert rescuer.error is consumer_fault

@@ -2,8 +2,8 @@
 fails after output began, carry it on elsewhere into the same response.
 
 The decisions and shapes are `router.continuation`'s; `Rescue` is also the rules of a
-continuation's tries (`router.retry.Tries`): each replay goes through the same retry loop
-as the request's first attempts.
+continuation's tries (`router.retry.Tries`, the shared ones `router.replays`'): each replay
+goes through the same retry loop as the request's first attempts.
 """
 
 from __future__ import annotations
@@ -20,24 +20,21 @@ from narwhal.fleet.models import Target
 from narwhal.fleet.placement import PromptKey
 from narwhal.fleet.table import Fleet, Phase, Reservation
 from narwhal.protocol.bodies import ClientRequest, Endpoint
-from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseError, block_payloads
 from narwhal.router.assemble import Assembler
 from narwhal.router.call import Call
 from narwhal.router.continuation import (
     ANSWER,
-    BUDGET,
-    FLEET,
     Head,
     drop_seen,
     merged_usage,
     refusal,
-    refused_error,
     replay_body,
     rescued_event,
     usage_chunk,
 )
 from narwhal.router.progress import Progress
+from narwhal.router.replays import Replays
 from narwhal.router.reply import Reply
 from narwhal.router.respond import DONE_EVENT, answer_headers, completion_tokens, stream_headers
 from narwhal.router.retry import FirstTries, Retries
@@ -52,11 +49,8 @@ def _sse(chunk: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-class Rescue:
+class Rescue(Replays):
     """One continuable request from its first relayed byte to its one ending."""
-
-    # Its tries continue an answer (`router.retry.Tries`).
-    rescue = True
 
     def __init__(
         self,
@@ -72,15 +66,11 @@ class Rescue:
     ) -> None:
         """`key`: the client prompt's placement key. A replay begins with that prompt, so
         prefix placement prefers the producer expected to hold it in its prefix cache."""
-        self.fleet = fleet
+        super().__init__(fleet, retries.outcome, call, key, target, settings)
         self.retries = retries
-        self.outcome = retries.outcome
         self.reply = reply
-        self.call = call
         self.client_request = client_request
         self.progress = progress
-        self.key = key
-        self.target = target
         self.report = (reply.header(REPORT_HEADER) or "").lower() == "report"
         self.assembler = None if client_request.stream else Assembler(call.endpoint)
         self.head: Head | None = None
@@ -91,14 +81,6 @@ class Rescue:
         # Ids the client asked for and was given past the committed boundary (tokens whose
         # text was held): the replay generates them again, and the client gets them once.
         self.overhang: list[int] = []
-        # While continuing: the failure that ended the last try, the consumers that
-        # failed the answer (never continued on), the engines its replays avoid, and when
-        # the consumer failed.
-        self.error: NarwhalError | None = None
-        self.failed_consumers: set[str] = set()
-        self.avoid: set[str] = set()
-        self.failed_at = 0.0
-        self.settings = settings
 
     async def serve(self, first: FirstTries) -> None:
         call = self.call
@@ -114,9 +96,7 @@ class Rescue:
                 self.outcome.passed(relayed.reservation, Phase.DECODE)
                 return await self._end(None)
             call.attempt_failed(error)
-            self.failed_consumers.add(consumer)
-            self.avoid.add(consumer)
-            self.error, self.failed_at = error, time.perf_counter()
+            self.consumer_failed(error, consumer)
             relayed = await self.retries.run(call, self, self._relay_rescued)
         self.outcome.answered(tracked=True)
         return await self._end(relayed.stream)
@@ -197,11 +177,7 @@ class Rescue:
         why = refusal(self.client_request, progress, settings.max_tracked_tokens)
         if why is not None:
             raise self._refused(why, ANSWER)
-        if call.continuations >= settings.max_attempts:
-            raise self._refused(f"continuation.max_attempts ({settings.max_attempts}) used", BUDGET)
-        if not self.outcome.continuation_budget.try_spend():
-            why = "the router's continuation budget (continuation.budget) is spent"
-            raise self._refused(why, BUDGET)
+        self.spend(call)
         if not progress.strip:
             self.overhang = progress.ids[progress.committed :]
         progress.ids = progress.generated
@@ -209,30 +185,9 @@ class Rescue:
         body = replay_body(self.client_request, progress)
         return ClientRequest(Endpoint.COMPLETIONS, body, True, False)
 
-    async def reserve(self, call: Call) -> Reservation:
-        try:
-            return await self.fleet.reserve(
-                frozenset(self.avoid), self.key, self.target, call.claim
-            )
-        except NarwhalError as unplaced:
-            why = f"no consumer was placed: {unplaced.message}"
-            raise self._refused(why, FLEET) from None
-
     def placed(self, call: Call, reservation: Reservation) -> None:
-        if reservation.consumer.id in self.failed_consumers:
-            raise self._refused("no other consumer is available to continue on", FLEET)
-        call.continuations += 1
+        super().placed(call, reservation)
         call.replayed_tokens += self.base
-
-    def failed(self, call: Call, error: NarwhalError, reservation: Reservation) -> None:
-        if error.engine is not None:
-            self.avoid.add(error.engine)
-            if error.engine == reservation.consumer.id:
-                self.failed_consumers.add(error.engine)
-        self.error = error
-
-    def _refused(self, why: str, kind: str) -> NarwhalError:
-        return refused_error(self.call, self.error, why, kind)
 
     # The end -------------------------------------------------------------------------
 

@@ -33,10 +33,10 @@ from narwhal.fleet.models import Target
 from narwhal.fleet.placement import PromptKey
 from narwhal.fleet.table import Fleet, Reservation
 from narwhal.protocol.bodies import ClientRequest
-from narwhal.protocol.errors import NarwhalError
 from narwhal.protocol.sse import SseDecoder, SseError
 from narwhal.router.call import Call
-from narwhal.router.continuation import ANSWER, BUDGET, FLEET, refused_error
+from narwhal.router.continuation import ANSWER
+from narwhal.router.replays import Replays
 from narwhal.router.reply import Reply
 from narwhal.router.respond import answer_headers, stream_headers
 from narwhal.router.responses import output_tokens
@@ -125,11 +125,9 @@ class Written:
         return "".join(self.text)
 
 
-class ResponsesRescue:
+class ResponsesRescue(Replays):
     """One continuable Responses request, from its first relayed byte to its one ending;
     also the rules of its replays' tries (`router.retry.Tries`)."""
-
-    rescue = True
 
     def __init__(
         self,
@@ -143,25 +141,16 @@ class ResponsesRescue:
         target: Target | None,
         keep: Keep,
     ) -> None:
-        self.fleet = fleet
+        super().__init__(fleet, retries.outcome, call, key, target, settings)
         self.retries = retries
-        self.outcome = retries.outcome
         self.reply = reply
-        self.call = call
         self.request = request
-        self.key = key
-        self.settings = settings
-        self.target = target
         self.keep = keep
         self.written = Written()
         # The response that ends the answer (the last try's, reshaped).
         self.final: dict[str, Any] | None = None
         # Output tokens of the tries before the one relaying now.
         self.tokens_before = 0
-        self.error: NarwhalError | None = None
-        self.failed_consumers: set[str] = set()
-        self.avoid: set[str] = set()
-        self.failed_at = 0.0
 
     async def serve(self, first: FirstTries) -> None:
         call = self.call
@@ -172,9 +161,7 @@ class ResponsesRescue:
                 raise error
             call.cut = True
             call.attempt_failed(error)
-            self.failed_consumers.add(consumer)
-            self.avoid.add(consumer)
-            self.error, self.failed_at = error, time.perf_counter()
+            self.consumer_failed(error, consumer)
             relayed = await self.retries.run_responses(call, self, self._relay_replay)
         self.outcome.answered(tracked=True)
 
@@ -303,11 +290,7 @@ class ResponsesRescue:
             why = "it had used its max_output_tokens"
         if why is not None:
             raise self._refused(why, ANSWER)
-        if call.continuations >= settings.max_attempts:
-            raise self._refused(f"continuation.max_attempts ({settings.max_attempts}) used", BUDGET)
-        if not self.outcome.continuation_budget.try_spend():
-            why = "the router's continuation budget (continuation.budget) is spent"
-            raise self._refused(why, BUDGET)
+        self.spend(call)
         body = dict(self.request.body)
         item = written.open
         assert item is not None
@@ -329,29 +312,9 @@ class ResponsesRescue:
             body["max_output_tokens"] = limit - written.deltas
         return ClientRequest(self.request.endpoint, body, True, False, self.request.ask)
 
-    async def reserve(self, call: Call) -> Reservation:
-        try:
-            return await self.fleet.reserve(
-                frozenset(self.avoid), self.key, self.target, call.claim
-            )
-        except NarwhalError as unplaced:
-            raise self._refused(f"no consumer was placed: {unplaced.message}", FLEET) from None
-
     def placed(self, call: Call, reservation: Reservation) -> None:
-        if reservation.consumer.id in self.failed_consumers:
-            raise self._refused("no other consumer is available to continue on", FLEET)
-        call.continuations += 1
+        super().placed(call, reservation)
         call.replayed_tokens += self.written.deltas
-
-    def failed(self, call: Call, error: NarwhalError, reservation: Reservation) -> None:
-        if error.engine is not None:
-            self.avoid.add(error.engine)
-            if error.engine == reservation.consumer.id:
-                self.failed_consumers.add(error.engine)
-        self.error = error
-
-    def _refused(self, why: str, kind: str) -> NarwhalError:
-        return refused_error(self.call, self.error, why, kind)
 
 
 _ENDS = frozenset({"response.completed", "response.incomplete"})
