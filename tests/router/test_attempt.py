@@ -146,6 +146,27 @@ async def test_a_whole_leg_that_failed_after_its_request_went_out_abandons_nothi
     assert record.abandoned == [] and stack.released == []
 
 
+@pytest.mark.parametrize(
+    ("status", "releaser"), [(503, "the other"), (500, "the other"), (400, "the chosen")]
+)
+async def test_a_consumer_whose_own_fault_dropped_the_descriptor_is_the_last_to_release_it(
+    status: int, releaser: str
+) -> None:
+    engines = [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
+    legs = FakeLegs()
+    stack = path(config(engines, **LEASE), legs)
+    starts = release_targets(stack)
+    async with await stack.fleet.reserve(frozenset(), None) as reservation:
+        chosen = reservation.consumer
+        refusal = engine_error(Cause.HTTP_STATUS, "refused", chosen.id, status=status)
+        legs.faults[chosen.id] = [refusal]
+        with pytest.raises(NarwhalError):
+            await stack.attempt.run(call(), request(), reservation)
+    other = stack.fleet.by_id["d1" if chosen.id == "d0" else "d0"]
+    # A client's 400 is no fault of the consumer: it releases the blocks as usual.
+    assert starts == [(other if releaser == "the other" else chosen).url]
+
+
 # Two pools: each model's own leg bounds, and releases within the handoff's pool -----------
 
 

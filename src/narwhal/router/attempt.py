@@ -246,9 +246,15 @@ class Attempt:
             return await self._hand_over(
                 call, request, reservation, result, delivery, rescue, decode, bounds
             )
-        except BaseException:
+        except BaseException as exc:
             if not delivery.delivered:
-                self._abandon(call, result, reservation)
+                # A consumer that just failed the decode itself is the last to release it.
+                failed = (
+                    isinstance(exc, NarwhalError)
+                    and exc.engine == consumer.id
+                    and exc.is_engine_fault
+                )
+                self._abandon(call, result, reservation, consumer_failed=failed)
             raise
 
     async def _hand_over(
@@ -384,14 +390,24 @@ class Attempt:
             )
         return "crossed"
 
-    def _abandon(self, call: Call, result: PrefillResult, reservation: Reservation) -> None:
+    def _abandon(
+        self,
+        call: Call,
+        result: PrefillResult,
+        reservation: Reservation,
+        *,
+        consumer_failed: bool = False,
+    ) -> None:
         """A descriptor dropped before reaching a consumer: nobody will pull its blocks,
         which its producer holds until the KV lease ends (a null descriptor holds none),
         unless a consumer releases them (`engine.release_abandoned`).
 
         The release goes to a consumer of the handoff's pool: the one chosen, else another
-        admitted there. A consumer of another base model could not pair with the producer
-        (its connector refuses a transfer across models), so it could not free the blocks."""
+        admitted there; when the chosen one's own failure dropped the descriptor (it
+        refused the decode with a fault of its own, or could not be reached), another
+        admitted one first and the chosen one last. A consumer of another base model could
+        not pair with the producer (its connector refuses a transfer across models), so it
+        could not free the blocks."""
         now = asyncio.get_running_loop().time()
         lost = abandonment(
             result.producer, result.descriptor, result.started_at, now, self.kv_lease_s
@@ -402,10 +418,13 @@ class Attempt:
         call.abandoned.append(lost)
         if not self.release_abandoned or lost.pinned_s <= 0:
             return
-        consumers = [
-            reservation.consumer,
-            *self.fleet.admitted(Phase.DECODE, now, self._pool(reservation)),
+        chosen = reservation.consumer
+        others = [
+            c
+            for c in self.fleet.admitted(Phase.DECODE, now, self._pool(reservation))
+            if c is not chosen
         ]
+        consumers = [*others, chosen] if consumer_failed else [chosen, *others]
         consumer = next((c for c in consumers if not c.refusing), None)
         if consumer is not None:
             self.releases.start(consumer.url, result, lost)
