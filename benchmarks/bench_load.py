@@ -13,9 +13,9 @@ Jobs:
 - `{"job": "tenants", ...}`: drive some tenants' load for a duration from a common start
   (`narwhal.tools.goodput.tenant_load`); answers every request's record.
 
-The SSE parsing is deliberately minimal: split events, count those carrying generated text,
-note the time of the first one. Only the direct path parses JSON, once, for the prefill's
-descriptor.
+The SSE parsing is deliberately minimal: split events, count those carrying generated text
+(on the Responses route, its text deltas), note the time of the first one. Only the direct
+path parses JSON, once, for the prefill's descriptor.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ PROMPT = (
 # Generated output in a chunk: a non-empty `text` (completions) or `content` (chat).
 _GENERATED = re.compile(rb'"(?:text|content)":\s*"(?!")')
 _DONE = b"[DONE]"
+# The Responses route's: one text delta per token, and the event that ends a stream well.
+RESPONSES = "/v1/responses"
+_DELTA = b"event: response.output_text.delta\n"
+_COMPLETED = b"event: response.completed\n"
 
 PREFILL_PARAMS = prefill_request_params()
 """What a prefill leg carries (the engine contract's leg 1)."""
@@ -74,12 +78,14 @@ def bucket_seconds(bucket: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where a batch goes: a router URL, or the two engines for the direct path."""
+    """Where a batch goes: a router URL, or the two engines for the direct path.
+    `responses`: the router is sent each request of the shape as a Responses request."""
 
     name: str
     url: str | None = None
     producer: str | None = None
     consumer: str | None = None
+    responses: bool = False
 
 
 @dataclass(slots=True)
@@ -114,6 +120,19 @@ class Call:
     body: dict[str, Any]
     stream: bool
     max_tokens: int
+
+    def as_responses(self) -> Call:
+        """The same request on the Responses route: its prompt (or last message) as the
+        input, its output bound, its streaming; stored, as the route's default is."""
+        body = self.body
+        text = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        asked = {
+            "model": body["model"],
+            "input": text,
+            "max_output_tokens": self.max_tokens,
+            "stream": self.stream,
+        }
+        return Call(RESPONSES, asked, self.stream, self.max_tokens)
 
 
 MIXED_TOKENS = (16, 64, 256)
@@ -197,14 +216,15 @@ async def _read_stream(
     count = 0
     first = last = 0.0
     done = False
+    responses = call.route == RESPONSES
     async for data in response.content.iter_any():
         now = time.perf_counter()
         events = (buffer + data).split(b"\n\n")
         buffer = events.pop()
         for event in events:
-            if event.endswith(_DONE):
+            if _ends(event, responses):
                 done = True
-            elif _GENERATED.search(event):
+            elif _is_output(event, responses):
                 if count == 0:
                     first = now
                 else:
@@ -219,11 +239,20 @@ async def _read_stream(
     result.tokens += count
 
 
+def _ends(event: bytes, responses: bool) -> bool:
+    return event.startswith(_COMPLETED) if responses else event.endswith(_DONE)
+
+
+def _is_output(event: bytes, responses: bool) -> bool:
+    return event.startswith(_DELTA) if responses else _GENERATED.search(event) is not None
+
+
 async def _read_whole(
     response: aiohttp.ClientResponse, call: Call, started: float, result: BatchResult
 ) -> None:
     answer = orjson.loads(await response.read())
-    tokens = answer.get("usage", {}).get("completion_tokens")
+    counted = "output_tokens" if call.route == RESPONSES else "completion_tokens"
+    tokens = (answer.get("usage") or {}).get(counted)
     if tokens != call.max_tokens:
         raise RuntimeError(f"answer has {tokens} tokens, expected {call.max_tokens}")
     result.ttft_s.append(time.perf_counter() - started)
@@ -252,6 +281,8 @@ async def run_batch(job: dict[str, Any]) -> BatchResult:
     async def worker(client: Client) -> None:
         for _ in pending:
             call = next(sequence)
+            if target.responses:
+                call = call.as_responses()
             try:
                 await client.send(call, result)
             except (aiohttp.ClientError, RuntimeError, ValueError, TimeoutError) as exc:

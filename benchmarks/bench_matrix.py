@@ -6,7 +6,9 @@ that is on by default turned off. Each feature's cost is then the difference in 
 per request against the plain router, as a share of the router without the feature.
 
 A feature that lands later joins the matrix as one more row of `FEATURES`: its name, what
-it does, whether it is on by default, and the configuration that flips it.
+it does, whether it is on by default, and the configuration that flips it. A route is priced
+the same way: its row's router is sent the same requests on that route, so its cost is what
+a request there costs over one on the plain router's routes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Feature:
     traced: bool = False
     # `[[tenants]]` entries the flipped router has.
     tenants: tuple[Mapping[str, object], ...] = ()
+    # The row's requests go to the Responses route (`bench_load.Call.as_responses`).
+    responses: bool = False
 
     @property
     def target(self) -> str:
@@ -101,6 +105,14 @@ FEATURES: tuple[Feature, ...] = (
                 "max_concurrent": 1_000_000,
             },
         ),
+    ),
+    Feature(
+        "responses",
+        "the same requests on /v1/responses, each response stored (SQLite, in the run's "
+        "directory): the route's cost over completions and chat",
+        False,
+        {"responses": {"path": "{workdir}/responses.sqlite3"}},
+        responses=True,
     ),
     Feature(
         "engine-load",
@@ -190,6 +202,6 @@ async def add_matrix(bench: Bench, traces_to: str | None, say: Callable[[str], N
         )
         proc, url = await starting
         bench.procs.append(proc)
-        bench.targets.append(Target(feature.target, url=url))
+        bench.targets.append(Target(feature.target, url=url, responses=feature.responses))
         bench.pids[feature.target] = proc.pid
         say(f"{feature.target}: {url} (pid {proc.pid})")
