@@ -12,6 +12,10 @@ Through the router, with two tenants (`batch` in band 5, `chat` in band -5) and
 batch one at q0's seat: the band reaches the engine on both legs. Without the policy the
 same two requests are served in arrival order.
 
+The seat is held by a stream of a fixed length; when it ends by itself before the requests
+under test have all queued (a slow step between them on a loaded machine), arrival chose
+the order, and the trial is run again (at most `TRIALS`; the count is in the figures).
+
 An engine started without the policy (vLLM's default, `fcfs`) does not refuse a non-zero
 priority: vLLM 0.32 answers 200 and ignores it (its V0 engine refused one). Both validate
 the field alike, as a 64-bit integer.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,6 +58,9 @@ PULLED = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer")
 # Long enough to hold q0's one seat while two more requests queue behind it (about 15 s on
 # an idle 2-core machine), short enough for the tiny model's 2,048-token context.
 HOLD_TOKENS = 1900
+# A holder that ends by itself before the requests under test have all queued (a slow step
+# between them on a loaded machine) leaves the order to arrival: that trial is run again.
+TRIALS = 3
 # Two tenants through the router: a band each, lower first. Their clients ask for their own
 # `priority` too, each pulling against the order the test expects (see the test).
 KEYS = {"batch": "sk-batch-real-1111", "chat": "sk-chat-real-2222"}
@@ -129,21 +136,21 @@ async def test_a_later_request_with_a_lower_priority_is_served_first(q0: VllmEng
     """q0's one seat is held; priority 5 then priority -5 queue behind it; the seat is
     freed (the holder's client leaves, which aborts it): -5 is served before 5."""
     first_tokens: dict[int, float] = {}
-    queued: list[asyncio.Task[None]] = []
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        try:
-            async with seat_held(http, q0):
-                for priority in (5, -5):
-                    queued.append(
-                        asyncio.create_task(first_token_at(http, q0, priority, first_tokens))
-                    )
-                    await until_waiting(q0, len(queued))
-            async with asyncio.timeout(CLIENT_TIMEOUT_S):
-                await asyncio.gather(*queued)
-        finally:
-            for task in queued:
-                task.cancel()
+
+        def asking(priority: int) -> Callable[[], Coroutine[Any, Any, None]]:
+            return lambda: first_token_at(http, q0, priority, first_tokens)
+
+        trials = 0
+        while trials < TRIALS:
+            trials += 1
+            first_tokens.clear()
+            if await queued_then_served(http, q0, [asking(5), asking(-5)]):
+                break
+        else:
+            pytest.fail(f"in {TRIALS} trials the seat's holder never outlasted the queueing")
+    FIGURES["engine priority order, trials"] = str(trials)
     assert first_tokens[-5] < first_tokens[5], first_tokens
 
 
@@ -159,14 +166,57 @@ async def first_token_at(
                 seen[priority] = time.monotonic()
 
 
-async def until_waiting(engine: VllmEngine, count: int) -> None:
-    """Until the engine's scheduler has `count` requests waiting (its own gauge); they can
-    only all wait while the holder runs."""
+async def queued_then_served(
+    http: aiohttp.ClientSession,
+    engine: VllmEngine,
+    requests: Sequence[Callable[[], Coroutine[Any, Any, None]]],
+) -> bool:
+    """Hold a one-seat engine's seat, start `requests` in order, each once the one before
+    waits in the engine's queue, then free the seat and see them all served. False (each
+    cancelled, the engine idle again) when the holder ended by itself before they all
+    waited: then arrival, not the scheduler, chose the order."""
+    tasks: list[asyncio.Task[None]] = []
+    queued = False
+    try:
+        async with seat_held(http, engine) as ended:
+            for request in requests:
+                tasks.append(asyncio.create_task(request()))
+                if not await until_waiting(engine, len(tasks), ended):
+                    break
+            else:
+                queued = True
+        if queued:
+            async with asyncio.timeout(CLIENT_TIMEOUT_S):
+                await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not queued:
+        await until_idle(engine)
+    return queued
+
+
+async def until_waiting(engine: VllmEngine, count: int, ended: asyncio.Event) -> bool:
+    """Until the engine's scheduler has `count` requests waiting (its own gauge): True;
+    False once the seat's holder has ended (they can only all wait while it runs)."""
     deadline = time.monotonic() + 60
     # A gauge on /metrics: nothing to await but another reading.
     while await counter(engine, "vllm:num_requests_waiting") != count:
-        assert time.monotonic() < deadline, f"never {count} waiting: did the holder end?"
+        if ended.is_set():
+            return False
+        assert time.monotonic() < deadline, f"never {count} waiting, the holder still running"
         await asyncio.sleep(0.1)
+    return True
+
+
+async def until_idle(engine: VllmEngine) -> None:
+    """Until the engine runs and queues nothing (cancelled requests are aborted)."""
+    deadline = time.monotonic() + 60
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        while await counter(engine, gauge) != 0:
+            assert time.monotonic() < deadline, f"{engine.name} never idle ({gauge})"
+            await asyncio.sleep(0.1)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -227,45 +277,65 @@ async def test_through_the_router_a_tenants_band_orders_the_engines_queue(
     assert status == 200, alone
     first_tokens: dict[str, float] = {}
     texts: dict[str, str] = {}
-    sent: list[asyncio.Task[None]] = []
     server = RouterServer(config, port=0, secrets=load_secrets(config, {}))
     await server.start()
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            try:
-                async with seat_held(http, q0):
-                    for tenant in ("batch", "chat"):
-                        request = through(http, server, tenant, own[tenant], first_tokens, texts)
-                        sent.append(asyncio.create_task(request))
-                        await until_waiting(q0, len(sent))
-                async with asyncio.timeout(CLIENT_TIMEOUT_S):
-                    await asyncio.gather(*sent)
-            finally:
-                for task in sent:
-                    task.cancel()
+
+            def asking(tenant: str) -> Callable[[], Coroutine[Any, Any, None]]:
+                return lambda: through(http, server, tenant, own[tenant], first_tokens, texts)
+
+            trials = 0
+            while trials < TRIALS:
+                trials += 1
+                first_tokens.clear()
+                texts.clear()
+                if await queued_then_served(http, q0, [asking("batch"), asking("chat")]):
+                    break
+            else:
+                pytest.fail(f"in {TRIALS} trials the seat's holder never outlasted the queueing")
     finally:
         await server.stop()
+    FIGURES["tenant band order through the router, trials"] = str(trials)
     start = min(first_tokens.values())
     after = {tenant: f"+{at - start:.2f} s" for tenant, at in first_tokens.items()}
     assert sorted(first_tokens, key=first_tokens.__getitem__) == expected, after
     assert texts == dict.fromkeys(("batch", "chat"), alone["choices"][0]["text"])
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     for tenant in ("batch", "chat"):
-        entry = next(e for e in entries if e.get("client_request_id") == f"priority-{tenant}")
+        # The last trial's (an earlier one's requests were cancelled).
+        entry = [e for e in entries if e.get("client_request_id") == f"priority-{tenant}"][-1]
         seen = [entry[key] for key in ("tenant", "producer", "consumer", "handoff", "attempts")]
         assert seen == [tenant, q0.name, q0.name, "same_worker", 1], entry
 
 
 @asynccontextmanager
-async def seat_held(http: aiohttp.ClientSession, engine: VllmEngine) -> AsyncIterator[None]:
+async def seat_held(
+    http: aiohttp.ClientSession, engine: VllmEngine
+) -> AsyncIterator[asyncio.Event]:
     """Hold a one-seat engine's seat with a long greedy stream while the block runs;
-    leaving it closes the stream's connection, which vLLM aborts, freeing the seat."""
+    leaving it closes the stream's connection, which vLLM aborts, freeing the seat. Yields
+    an event set once the stream has ended by itself (its tokens all generated)."""
     body = {"model": MODEL, **greedy(0, max_tokens=HOLD_TOKENS, ignore_eos=True, stream=True)}
+    ended = asyncio.Event()
+
+    async def read_to_end(holder: aiohttp.ClientResponse) -> None:
+        try:
+            async for _ in holder.content:
+                pass
+        finally:
+            ended.set()
+
     async with http.post(engine.url + "/v1/completions", json=body) as holder:
         assert holder.status == 200
         await holder.content.readline()  # its first token: it runs
-        yield
+        reader = asyncio.create_task(read_to_end(holder))
+        try:
+            yield ended
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
 
 async def through(
